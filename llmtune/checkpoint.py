@@ -1,0 +1,153 @@
+"""Checkpoints that are either whole or absent.
+
+Layout: `output_dir/checkpoints/step-000120/` holds Accelerate's state (model or adapter, optimizer,
+loss scaler, the scheduler, every process's RNG states) plus `trainer_state.json` (step, data position,
+memory plan, counters) and `recipe.yaml`. A checkpoint is written under a hidden temporary name and
+renamed only when complete, so a process killed mid-save leaves the previous one untouched; old ones
+are pruned only after the new one is in place. `final/` is written the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+from accelerate import Accelerator
+
+from llmtune.recipe import flatten
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+# Changing these mid-run would make the resumed run a different run; everything else is allowed.
+CONTINUITY_KEYS = ("model", "data", "seed", "peft", "training.global_batch_size", "training.optimizer")
+
+
+class ResumeError(RuntimeError):
+    pass
+
+
+def checkpoints_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first. Temporaries (leading dot) and folders without state are skipped."""
+    root = checkpoints_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def resolve_resume(output_dir: str | Path, resume: str) -> Path | None:
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(output_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file():
+        raise ResumeError(f"checkpoint.resume={resume}: not a complete llmtune checkpoint (no {STATE_FILE})")
+    return path
+
+
+def _publish(accelerator: Accelerator, tmp: Path, final: Path) -> None:
+    """Rename a finished temporary folder into place (main process), replacing an older `final`."""
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        _fsync_tree(tmp)
+        old = final.with_name(f".{final.name}.old")
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def _fsync_tree(path: Path) -> None:
+    # The rename is only a commit point if the data it points to has reached the disk first.
+    for file in path.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _fresh_tmp(accelerator: Accelerator, parent: Path, name: str) -> Path:
+    tmp = parent / f".{name}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # left over from a save that was killed
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    return tmp
+
+
+def save_checkpoint(
+    accelerator: Accelerator, output_dir: str | Path, step: int, state: dict[str, Any], recipe_yaml: str, keep_last: int
+) -> Path:
+    """Save everything a resume needs (all processes must call this), then prune old checkpoints."""
+    root = checkpoints_root(output_dir)
+    name = f"step-{step:06d}"
+    tmp = _fresh_tmp(accelerator, root, name)
+    accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+        (tmp / "recipe.yaml").write_text(recipe_yaml)
+    final = root / name
+    _publish(accelerator, tmp, final)
+    if accelerator.is_main_process:
+        for old in complete_checkpoints(output_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    log.info("saved checkpoint %s", final)
+    return final
+
+
+def load_checkpoint(accelerator: Accelerator, path: Path) -> dict[str, Any]:
+    accelerator.load_state(str(path))
+    return json.loads((path / STATE_FILE).read_text())
+
+
+def saved_recipe(path: Path) -> dict[str, Any]:
+    return yaml.safe_load((path / "recipe.yaml").read_text())
+
+
+def continuity_problems(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(breaking, harmless): dotted keys whose values differ between the saved and the current recipe."""
+    breaking, harmless = [], []
+    before, after = flatten(saved), flatten(current)
+    for key in sorted(before.keys() | after.keys()):
+        old, new = before.get(key), after.get(key)
+        if old == new:
+            continue
+        change = f"{key}: {old!r} -> {new!r}"
+        if any(key == k or key.startswith(k + ".") for k in CONTINUITY_KEYS):
+            breaking.append(change)
+        else:
+            harmless.append(change)
+    return breaking, harmless
+
+
+def save_final(accelerator: Accelerator, model, tokenizer, output_dir: str | Path) -> Path:
+    """Write `final/` atomically: a loadable `save_pretrained` model (or adapter) plus the tokenizer."""
+    out = Path(output_dir)
+    tmp = _fresh_tmp(accelerator, out, "final")
+    # get_state_dict gathers full weights from FSDP / ZeRO-3 shards; every process must take part.
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).model.save_pretrained(tmp, state_dict=_strip_prefix(state_dict, "model."))
+        tokenizer.save_pretrained(tmp)
+    final = out / "final"
+    _publish(accelerator, tmp, final)
+    return final
+
+
+def _strip_prefix(state_dict: dict[str, Any] | None, prefix: str) -> dict[str, Any] | None:
+    if state_dict is None:
+        return None
+    return {k.removeprefix(prefix): v for k, v in state_dict.items()}

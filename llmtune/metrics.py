@@ -1,0 +1,141 @@
+"""What a run reports: metrics.jsonl, Accelerate trackers, the progress bar, MFU.
+
+MFU = model FLOPs per second / the device's peak. Model FLOPs per trained token follow the PaLM
+appendix: 6 x (non-embedding) parameters for the forward and backward matmuls, plus 12 x layers x
+hidden x sequence for attention scores — the *model's* work, so recomputation under gradient
+checkpointing does not count (it costs time and lowers MFU, which is the point of measuring it). Under
+LoRA the frozen weights need no weight gradients: 4 x frozen + 6 x trainable parameters. The peak is
+measured, not looked up: a few large matmuls in the training dtype, timed at start.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+from llmtune.recipe import flatten
+
+log = logging.getLogger(__name__)
+
+# Module each tracker needs, so a typo or a missing install fails at start, not at the first log.
+TRACKER_MODULES = {
+    "tensorboard": ("tensorboard", "tensorboardX"),
+    "wandb": ("wandb",),
+    "mlflow": ("mlflow",),
+    "trackio": ("trackio",),
+}
+
+
+class TrackerError(ValueError):
+    pass
+
+
+def check_trackers(names: list[str]) -> None:
+    for name in names:
+        if name not in TRACKER_MODULES:
+            raise TrackerError(f"logging.report_to: unknown tracker {name!r}; choose from {sorted(TRACKER_MODULES)}")
+        if not any(importlib.util.find_spec(m) for m in TRACKER_MODULES[name]):
+            raise TrackerError(f"logging.report_to names {name!r}, which is not installed: pip install {name}")
+
+
+def flops_per_token(config: Any, trainable: int, total: int, seq_len: int) -> float:
+    """Model FLOPs per trained token (forward + backward); see the module docstring."""
+    embedding = config.vocab_size * config.hidden_size
+    frozen = total - trainable
+    # Input embeddings are a lookup, not a matmul; the output projection is a matmul (counted).
+    matmul_params_trainable = trainable - (embedding if trainable == total else 0)
+    attention = 12 * config.num_hidden_layers * config.hidden_size * seq_len
+    return 6 * matmul_params_trainable + 4 * frozen + attention
+
+
+def measure_peak_flops(device: torch.device, precision: str, size: int = 2048, repeats: int = 5) -> float:
+    """Dense matmul FLOP/s in the dtype the run computes in (best of a few, after a warm-up)."""
+    dtype = {"bf16": torch.bfloat16, "bf16-true": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    if device.type == "cpu":
+        size = 1024  # ~1 s in total on a 2-core CPU
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+class MetricsLogger:
+    """Writes one JSON line per optimizer step (main process) and forwards to Accelerate trackers."""
+
+    def __init__(self, accelerator: Accelerator, output_dir: Path, recipe: Any, *, total_steps: int, start_step: int):
+        self.acc = accelerator
+        self.every = recipe.logging.every_n_steps
+        self.main = accelerator.is_main_process
+        self._tokens = 0
+        self._seconds = 0.0
+        self._file = open(output_dir / "metrics.jsonl", "a") if self.main else None  # noqa: SIM115
+        self._bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            disable=not (self.main and recipe.logging.progress_bar),
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=1.0,
+        )
+        if recipe.logging.report_to:
+            accelerator.init_trackers(
+                "llmtune",
+                config={
+                    k: v if isinstance(v, int | float | str | bool) else str(v)
+                    for k, v in flatten(recipe.to_dict(), sep="/").items()
+                },
+            )
+
+    def log_step(self, step: int, **values: float) -> None:
+        self._tokens += values["trained_tokens"]
+        self._seconds += values["seconds"]
+        record = {"step": step, **values}
+        self._write(record)
+        self._bar.update(1)
+        self._bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['tokens_per_s']:.0f}", refresh=False)
+        if self.main and step % self.every == 0:
+            self._bar.write(
+                f"step {step:>6}  loss {values['loss']:.4f}  lr {values['lr']:.2e}  grad_norm {values['grad_norm']:.3f}"
+                f"  {values['tokens_per_s']:.0f} tok/s  MFU {values['mfu']:.1%}"
+                + (f"  peak {values['peak_memory_bytes'] / 2**20:.0f} MiB" if values["peak_memory_bytes"] else "")
+            )
+
+    def log_eval(self, step: int, loss: float) -> None:
+        record = {"step": step, "eval_loss": loss, "eval_perplexity": float(torch.tensor(loss).exp())}
+        self._write(record)
+        if self.main:
+            self._bar.write(f"step {step:>6}  eval_loss {loss:.4f}  perplexity {record['eval_perplexity']:.2f}")
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        self.acc.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
+
+    def tokens_per_s(self) -> float:
+        return self._tokens / self._seconds if self._seconds else 0.0
+
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        self._bar.close()
+        if self._file:
+            self._file.close()
+        if summary is not None and self.main:
+            path = Path(self._file.name).with_name("run_summary.json")
+            path.write_text(json.dumps(summary, indent=2))
+        self.acc.end_training()

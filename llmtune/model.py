@@ -1,0 +1,144 @@
+"""The causal LM: precision, loading, gradient checkpointing and adapters.
+
+Everything here happens before the training loop, in the order the loop needs it: decide the precision
+for this device, load the tokenizer and the model in the dtype that precision implies, turn on
+gradient checkpointing through transformers' own API, then wrap with PEFT adapters.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+from llmtune.recipe import ModelConfig, PeftConfig, Recipe
+
+log = logging.getLogger(__name__)
+
+
+class SetupError(RuntimeError):
+    """The recipe asks for something this machine cannot do; raised before any model loads."""
+
+
+def cpu_supports_bf16() -> bool:
+    # Without native bf16 instructions autocast emulates bf16 and runs slower than fp32.
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolve_precision(requested: str, device_type: str) -> str:
+    """Map `auto` to a concrete mode and refuse modes this device cannot really run.
+
+    Accelerate silently drops fp16 autocast on a CPU (it trains fp32 and says nothing), and CPU fp16
+    matmuls run at 1-2 GFLOP/s here, so fp16 on a CPU is refused rather than quietly replaced.
+    """
+    if device_type == "cuda":
+        bf16 = torch.cuda.is_bf16_supported()
+        if requested == "auto":
+            return "bf16" if bf16 else "fp16"
+        if requested in ("bf16", "bf16-true") and not bf16:
+            raise SetupError(f"training.precision={requested}: this GPU has no bf16 support; use fp16 or fp32")
+        return requested
+    if requested == "auto":
+        return "bf16" if device_type == "cpu" and cpu_supports_bf16() else "fp32"
+    if requested == "fp16":
+        raise SetupError(
+            f"training.precision=fp16 cannot run on {device_type}: Accelerate would silently train fp32, and"
+            " CPU fp16 matmuls are ~100x slower than bf16. Use bf16 (or auto) here, fp16 on a CUDA GPU."
+        )
+    if requested in ("bf16", "bf16-true") and device_type == "cpu" and not cpu_supports_bf16():
+        log.warning("this CPU has no native bf16: bf16 will be emulated and may be slower than fp32")
+    return requested
+
+
+def check_requirements(recipe: Recipe, device_type: str) -> None:
+    """Refuse, before any download or model load, what needs hardware or packages this machine lacks."""
+    needs_bnb = recipe.peft.method == "qlora" or recipe.training.optimizer == "adamw_8bit"
+    if needs_bnb:
+        what = "peft.method=qlora" if recipe.peft.method == "qlora" else "training.optimizer=adamw_8bit"
+        if device_type != "cuda":
+            raise SetupError(
+                f"{what} needs bitsandbytes on a CUDA GPU, and this machine has none. Use peft.method=lora"
+                " (16-bit base weights) and training.optimizer=adamw here."
+            )
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise SetupError(f"{what} needs bitsandbytes: pip install bitsandbytes")
+
+
+def load_tokenizer(cfg: ModelConfig):
+    tokenizer = AutoTokenizer.from_pretrained(
+        cfg.tokenizer or cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+    )
+    if tokenizer.pad_token is None:
+        # Padding positions are masked out of attention and loss, so any id is safe to pad with.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_config(cfg: ModelConfig) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+
+
+def load_model(recipe: Recipe, precision: str) -> PreTrainedModel:
+    """Load (or randomly initialise) the model, enable checkpointing, wrap with adapters."""
+    cfg = recipe.model
+    # Mixed precision keeps fp32 master weights; autocast makes the bf16/fp16 copies on the fly.
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    kwargs = dict(attn_implementation=cfg.attn_implementation, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    if recipe.peft.method == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16 if precision != "fp16" else torch.float16,
+        )
+    if cfg.random_init:
+        model = AutoModelForCausalLM.from_config(load_config(cfg), **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, revision=cfg.revision, **kwargs)
+    # A KV cache is useless in training, costs memory, and lets packed examples attend to each other.
+    model.config.use_cache = False
+    if recipe.training.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if recipe.peft.method != "none":
+        model = apply_peft(model, recipe.peft, gradient_checkpointing=recipe.training.gradient_checkpointing)
+    return model
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Non-reentrant checkpointing through transformers' API (renamed in 5.x; keep working on both)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def apply_peft(model: PreTrainedModel, cfg: PeftConfig, *, gradient_checkpointing: bool):
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if cfg.method == "qlora":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    if gradient_checkpointing:
+        # Frozen embeddings produce outputs that need no grad; a checkpointed block whose inputs need
+        # no grad would give its adapters none ("element 0 of tensors does not require grad").
+        model.enable_input_require_grads()
+    lora = LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules,
+        use_dora=cfg.method == "dora",
+        modules_to_save=cfg.modules_to_save or None,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; `parameters()` yields tied weights once."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)

@@ -1,0 +1,401 @@
+"""Recipes: typed, validated YAML that drives a run.
+
+A recipe is data the user edits. This module turns a YAML file (plus its `base:` chain and any
+`key=value` overrides from the command line) into a frozen tree of dataclasses, and refuses anything
+it does not understand *before* a model is loaded: unknown keys, wrong types and bad values are all
+collected and reported at once, each with the file it came from and, for typos, the closest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+Precision = Literal["auto", "bf16", "fp16", "fp32", "bf16-true"]
+COMMAND_LINE = "<command line>"
+
+
+class RecipeError(ValueError):
+    """Every problem found in a recipe, reported together."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def doc(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field with its user-facing documentation attached (rendered by `llmtune recipe-doc`)."""
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name_or_path: str = doc("Hub id (e.g. meta-llama/Llama-3.1-8B) or a local directory with config.json.")
+    tokenizer: str | None = doc("Tokenizer hub id or directory; defaults to name_or_path.", None)
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = doc(
+        "Attention kernel passed to transformers.", "sdpa"
+    )
+    revision: str | None = doc("Hub revision (branch, tag or commit) to load.", None)
+    trust_remote_code: bool = doc("Allow custom modelling code from the hub (runs that code!).", False)
+    random_init: bool = doc(
+        "Initialise weights at random from the config instead of loading them (for the embedded default"
+        " and tests, or when no weights ship).",
+        False,
+    )
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    path: str = doc("A local file (.jsonl/.json/.csv/.parquet/.arrow), a folder of them, or a hub dataset id.")
+    format: Literal["text", "prompt_completion", "messages"] = doc(
+        "How rows are rendered: raw text, a prompt and a completion, or chat turns.", "prompt_completion"
+    )
+    fields: dict[str, str] = doc(
+        "Map llmtune's field names (text / prompt / completion / messages) to this source's column names,"
+        " e.g. {prompt: instruction, completion: output}.",
+        factory=dict,
+    )
+    split: str = doc("Split to read (hub datasets and folders).", "train")
+    subset: str | None = doc("Hub dataset configuration name.", None)
+    weight: float = doc("Relative sampling weight when several sources are mixed.", 1.0)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: list[SourceConfig] = doc("Training sources (one or more).", factory=list)
+    eval: list[SourceConfig] = doc("Evaluation sources; empty means use eval_fraction of train.", factory=list)
+    eval_fraction: float = doc("Fraction of train held out for eval when no eval source is given.", 0.0)
+    max_length: int = doc("Longest sequence in tokens; longer examples follow `overlong`.", 512)
+    packing: bool = doc("Pack several examples per row (no attention across examples).", False)
+    train_on: Literal["completion", "all"] = doc(
+        "Train only on completions / assistant turns, or on every token.", "completion"
+    )
+    overlong: Literal["truncate", "drop"] = doc("What to do with examples longer than max_length.", "truncate")
+    group_by_length: bool = doc("Without packing, batch similar lengths together to cut padding.", True)
+    num_proc: int = doc("Worker processes for tokenisation.", 1)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    precision: Precision = doc(
+        "bf16 / fp16: mixed precision (fp32 master weights, autocast; fp16 adds dynamic loss scaling);"
+        " bf16-true: weights in bf16, no autocast; fp32; auto: bf16 where supported, else fp16 on CUDA,"
+        " else fp32.",
+        "auto",
+    )
+    gradient_checkpointing: bool = doc("Recompute activations in backward to save memory.", False)
+    micro_batch_size: int | Literal["auto"] = doc(
+        "Examples per forward pass per process; `auto` lets the memory planner choose.", "auto"
+    )
+    global_batch_size: int = doc("Examples per optimizer step over all processes and accumulation.", 32)
+    max_steps: int = doc("Optimizer steps to run.", 100)
+    learning_rate: float = doc("Peak learning rate.", 2e-5)
+    lr_schedule: Literal["cosine", "linear", "constant"] = doc("Decay after warmup.", "cosine")
+    warmup_steps: int = doc("Linear warmup steps.", 0)
+    min_lr_ratio: float = doc("Final learning rate as a fraction of the peak (cosine and linear).", 0.0)
+    weight_decay: float = doc("AdamW weight decay (not applied to biases and norms).", 0.0)
+    adam_betas: list[float] = doc("AdamW betas.", factory=lambda: [0.9, 0.999])
+    max_grad_norm: float = doc("Clip the global gradient norm to this; 0 disables clipping.", 1.0)
+    optimizer: Literal["adamw", "adamw_8bit"] = doc("Optimizer; adamw_8bit needs bitsandbytes on CUDA.", "adamw")
+    loss: Literal["auto", "hf", "chunked"] = doc(
+        "Cross-entropy implementation: the model's own (full fp32 logits) or chunked (never holds all"
+        " logits); auto picks chunked where the model allows it.",
+        "auto",
+    )
+    eval_every_n_steps: int = doc("Evaluate every N steps (0: only at the end) when there is eval data.", 0)
+    max_nonfinite_steps: int = doc("Stop after this many consecutive non-finite losses.", 3)
+    compile: bool = doc("torch.compile the model.", False)
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    budget: str = doc(
+        "Memory a process may use for training: `auto` (free device memory less a safety margin) or a"
+        " size like `20GiB`.",
+        "auto",
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_n_steps: int = doc("Save a resumable checkpoint every N steps; 0 disables.", 0)
+    keep_last: int = doc("Checkpoints to keep (oldest pruned after a new one is complete).", 2)
+    resume: str = doc("`auto` (newest complete checkpoint in output_dir), `none`, or a checkpoint path.", "auto")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    every_n_steps: int = doc("Log a line every N steps.", 10)
+    report_to: list[str] = doc("Accelerate trackers: tensorboard, wandb, mlflow, trackio.", factory=list)
+    progress_bar: bool = doc("Show a progress bar on the main process.", True)
+
+
+@dataclass(frozen=True)
+class PeftConfig:
+    method: Literal["none", "lora", "dora", "qlora"] = doc("Parameter-efficient method; none trains all.", "none")
+    rank: int = doc("Adapter rank r.", 16)
+    alpha: float = doc("Adapter scaling alpha.", 32.0)
+    dropout: float = doc("Dropout on the adapter input.", 0.0)
+    target_modules: list[str] | Literal["all-linear"] = doc(
+        "Module names to adapt; all-linear adapts every linear layer of the decoder.", "all-linear"
+    )
+    modules_to_save: list[str] = doc(
+        "Modules trained fully alongside adapters (e.g. embed_tokens, lm_head).", factory=list
+    )
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: ModelConfig = doc("The causal LM and its tokenizer.")
+    data: DataConfig = doc("Where the examples come from and how they become tokens.", factory=DataConfig)
+    output_dir: str = doc("Where recipe.yaml, metrics.jsonl, checkpoints/ and final/ go.", "runs/default")
+    seed: int = doc("Seed for initialisation, data order and dropout.", 42)
+    training: TrainingConfig = doc("The optimisation.", factory=TrainingConfig)
+    memory: MemoryConfig = doc("Memory planning.", factory=MemoryConfig)
+    checkpoint: CheckpointConfig = doc("Checkpoints and resume.", factory=CheckpointConfig)
+    logging: LoggingConfig = doc("Metrics and trackers.", factory=LoggingConfig)
+    peft: PeftConfig = doc("LoRA / DoRA / QLoRA adapters.", factory=PeftConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Read `path`, follow its `base:` chain, apply dotted overrides, validate. Raises RecipeError."""
+    raw, origins = _read_with_bases(Path(path), seen=())
+    problems: list[str] = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            problems.append(f"{COMMAND_LINE}: override {item!r} is not of the form key.sub=value")
+            continue
+        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else None)
+        origins[key.strip()] = COMMAND_LINE
+    recipe = _build(Recipe, raw, "", origins, str(path), problems)
+    if not problems:
+        problems += _check_values(recipe)
+    if problems:
+        raise RecipeError(problems)
+    return recipe
+
+
+def recipe_from_dict(data: dict[str, Any], source: str = "<dict>") -> Recipe:
+    """Validate an already-parsed mapping (e.g. the recipe.yaml saved in a checkpoint)."""
+    problems: list[str] = []
+    recipe = _build(Recipe, data, "", {}, source, problems)
+    if not problems:
+        problems += _check_values(recipe)
+    if problems:
+        raise RecipeError(problems)
+    return recipe
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
+
+
+def _read_with_bases(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Deep-merge a recipe over its `base:` (relative to the recipe's folder); track each key's file."""
+    if not path.is_file():
+        raise RecipeError([f"{path}: recipe file not found"])
+    if path.resolve() in seen:
+        raise RecipeError([f"{path}: `base:` chain loops back to itself"])
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise RecipeError([f"{path}: not valid YAML: {err}"]) from None
+    if not isinstance(data, dict):
+        raise RecipeError([f"{path}: a recipe must be a mapping of keys, got {type(data).__name__}"])
+    base = data.pop("base", None)
+    merged: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    if base is not None:
+        merged, origins = _read_with_bases(path.parent / str(base), seen + (path.resolve(),))
+    _deep_merge(merged, data)
+    for key in _dotted_keys(data):
+        origins[key] = str(path)
+    return merged, origins
+
+
+def flatten(data: dict[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """Nested mapping -> {dotted.key: leaf value}."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}{sep}", sep))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _deep_merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _deep_merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _dotted_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        keys.append(dotted)
+        if isinstance(value, dict):
+            keys += _dotted_keys(value, dotted + ".")
+    return keys
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        if not isinstance(data.get(part), dict):
+            data[part] = {}
+        data = data[part]
+    data[last] = value
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _build(cls: type, data: Any, prefix: str, origins: dict[str, str], default_file: str, problems: list[str]) -> Any:
+    """Build dataclass `cls` from `data`, appending every problem (with file and dotted key) to `problems`."""
+
+    def where(key: str) -> str:
+        return origins.get(key, origins.get(key.rsplit(".", 1)[0], default_file))
+
+    if not isinstance(data, dict):
+        problems.append(f"{where(prefix.rstrip('.'))}: `{prefix.rstrip('.')}` must be a mapping, got {data!r}")
+        return None
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            valid = [f"{prefix}{name}" for name in fields]
+            close = difflib.get_close_matches(dotted, valid, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else f" (valid keys here: {', '.join(valid)})"
+            problems.append(f"{where(dotted)}: unknown key `{dotted}`{hint}")
+            continue
+        kwargs[key] = _convert(hints[key], value, dotted, where, origins, default_file, problems)
+    for name, f in fields.items():
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            problems.append(f"{default_file}: missing required key `{prefix}{name}` ({f.metadata.get('doc', '')})")
+    if any(p for p in problems):
+        return None
+    return cls(**kwargs)
+
+
+def _convert(tp: Any, value: Any, dotted: str, where, origins, default_file, problems) -> Any:
+    """Check `value` against the annotation `tp`; coerce ints to floats; recurse into dataclasses."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, dotted + ".", origins, default_file, problems)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            attempt: list[str] = []
+            result = _convert(option, value, dotted, where, origins, default_file, attempt)
+            if not attempt:
+                return result
+        problems.append(f"{where(dotted)}: `{dotted}` must be {_describe(tp)}, got {value!r}")
+        return None
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            problems.append(f"{where(dotted)}: `{dotted}` must be {_describe(tp)}, got {value!r}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            problems.append(f"{where(dotted)}: `{dotted}` must be a list, got {value!r}")
+            return None
+        return [
+            _convert(item_tp, v, f"{dotted}[{i}]", where, origins, default_file, problems) for i, v in enumerate(value)
+        ]
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            problems.append(f"{where(dotted)}: `{dotted}` must be a mapping of names to names, got {value!r}")
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML reads 1e-4 (no dot) as a string; accept it as the number it obviously is.
+            return float(value)
+        except ValueError:
+            pass
+    if tp is type(None) and value is None:
+        return None
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        problems.append(f"{where(dotted)}: `{dotted}` must be {_describe(tp)}, got {value!r}")
+    return value
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _check_values(r: Recipe) -> list[str]:
+    """Value rules that types alone cannot express."""
+    t, problems = r.training, []
+
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            problems.append(f"`{key}` {why}")
+
+    need(bool(r.data.train), "data.train", "must name at least one source")
+    need(r.data.max_length > 0, "data.max_length", "must be positive")
+    need(0.0 <= r.data.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
+    need(t.global_batch_size > 0, "training.global_batch_size", "must be positive")
+    need(t.max_steps > 0, "training.max_steps", "must be positive")
+    need(t.learning_rate > 0, "training.learning_rate", "must be positive")
+    need(0 <= t.warmup_steps <= t.max_steps, "training.warmup_steps", "must be between 0 and max_steps")
+    need(0.0 <= t.min_lr_ratio <= 1.0, "training.min_lr_ratio", "must be in [0, 1]")
+    need(
+        len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas),
+        "training.adam_betas",
+        "must be two numbers in [0, 1)",
+    )
+    need(t.max_grad_norm >= 0, "training.max_grad_norm", "must be >= 0")
+    need(t.max_nonfinite_steps >= 1, "training.max_nonfinite_steps", "must be >= 1")
+    if isinstance(t.micro_batch_size, int):
+        need(t.micro_batch_size > 0, "training.micro_batch_size", "must be positive or auto")
+        need(
+            t.micro_batch_size <= 0 or t.global_batch_size % t.micro_batch_size == 0,
+            "training.global_batch_size",
+            f"({t.global_batch_size}) must be a multiple of training.micro_batch_size ({t.micro_batch_size})",
+        )
+    need(r.checkpoint.every_n_steps >= 0, "checkpoint.every_n_steps", "must be >= 0")
+    need(r.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    need(r.logging.every_n_steps >= 1, "logging.every_n_steps", "must be >= 1")
+    if r.memory.budget != "auto":
+        try:
+            from llmtune.memory.estimate import parse_bytes
+
+            parse_bytes(r.memory.budget)
+        except ValueError:
+            problems.append(f"`memory.budget` must be auto or a size like 20GiB, got {r.memory.budget!r}")
+    return problems

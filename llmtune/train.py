@@ -1,0 +1,471 @@
+"""The training loop: recipe in, checkpoints, metrics and a saved model out.
+
+`build` does everything before the first step, in the order data flows (accelerator and precision ->
+tokenizer and data -> model -> memory plan -> optimizer -> resume); `fit` is the loop itself, explicit
+from top to bottom. Each optimizer step takes this process's share of the global batch, splits it into
+micro-batches as the memory plan says, and normalises the loss by the trained tokens of the whole
+window on all processes, so the update is the same whatever the micro-batch or process count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import set_seed
+
+from llmtune import checkpoint
+from llmtune.data import PreparedData, batch_for_step, collate, eval_batches, prepare_data
+from llmtune.loss import CausalLMWithLoss, resolve_loss_impl
+from llmtune.memory.measure import PeakMemoryTracker
+from llmtune.metrics import MetricsLogger, check_trackers, flops_per_token, measure_peak_flops
+from llmtune.model import (
+    check_requirements,
+    count_parameters,
+    load_config,
+    load_model,
+    load_tokenizer,
+    resolve_precision,
+)
+from llmtune.recipe import Recipe, dump_recipe
+
+log = logging.getLogger(__name__)
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the run saved a checkpoint and stopped on a signal; relaunch to resume.
+
+
+class PlanError(ValueError):
+    """The batch settings cannot be met with this process count."""
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. repeated non-finite losses); the last good checkpoint is kept."""
+
+
+@dataclass
+class Run:
+    """Everything `fit` needs, built once by `build`."""
+
+    recipe: Recipe
+    accelerator: Accelerator
+    precision: str
+    tokenizer: Any
+    data: PreparedData
+    model: torch.nn.Module  # CausalLMWithLoss, prepared by Accelerate (DDP/FSDP-wrapped when launched so)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    plan: BatchPlan
+    flops_per_token: float
+    peak_flops: float
+    start_step: int = 0
+    counters: dict[str, int] = field(default_factory=lambda: {"trained_tokens": 0, "skipped_steps": 0})
+
+
+# ---------------------------------------------------------------- batch plan
+
+
+@dataclass
+class BatchPlan:
+    """How the global batch is split: global = micro x accumulation x processes."""
+
+    micro_batch_size: int
+    grad_accum_steps: int
+    num_processes: int
+    source: str  # "recipe", "planner", or "planner, shrunk after out-of-memory"
+    predicted_peak_bytes: int | None = None
+    budget_bytes: int | None = None
+
+    def describe(self) -> str:
+        if self.predicted_peak_bytes is None:
+            return "micro-batch fixed by the recipe (set training.micro_batch_size: auto to plan it)"
+        peak, budget = self.predicted_peak_bytes / 2**30, self.budget_bytes / 2**30
+        return f"predicted peak {peak:.2f} GiB of a {budget:.2f} GiB budget"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def make_plan(recipe: Recipe, num_processes: int) -> BatchPlan:
+    t = recipe.training
+    per_process, rest = divmod(t.global_batch_size, num_processes)
+    if rest:
+        raise PlanError(
+            f"training.global_batch_size={t.global_batch_size} is not divisible by the {num_processes} processes"
+        )
+    micro = t.micro_batch_size
+    if per_process % micro:
+        raise PlanError(
+            f"training.global_batch_size={t.global_batch_size} = {num_processes} processes x {per_process} per"
+            f" process, which training.micro_batch_size={micro} does not divide"
+        )
+    return BatchPlan(micro, per_process // micro, num_processes, "recipe")
+
+
+def shrink_plan(plan: BatchPlan, per_process: int) -> BatchPlan:
+    """After an out-of-memory error: the largest micro-batch <= half that still divides the batch."""
+    if plan.micro_batch_size == 1:
+        raise TrainingError("out of memory at micro-batch 1; nothing left to shrink (see `llmtune estimate`)")
+    micro = max(d for d in range(1, plan.micro_batch_size // 2 + 1) if per_process % d == 0)
+    return replace(
+        plan,
+        micro_batch_size=micro,
+        grad_accum_steps=per_process // micro,
+        source="planner, shrunk after out-of-memory",
+    )
+
+
+# ---------------------------------------------------------------- setup
+
+
+def make_accelerator(recipe: Recipe) -> tuple[Accelerator, str]:
+    """Accelerator with the recipe's precision; the recipe wins over an Accelerate config and says so."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    check_requirements(recipe, device_type)
+    check_trackers(recipe.logging.report_to)
+    precision = resolve_precision(recipe.training.precision, device_type)
+    mixed = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "no")
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    # Accelerate keeps its precision in a process-wide singleton; forget it so one process can run several
+    # recipes (`llmtune bench`, tests). The distributed state (PartialState) is kept.
+    AcceleratorState._reset_state()
+    accelerator = Accelerator(
+        mixed_precision=mixed,
+        # Without cpu=True a CPU-only multi-process launch trains each process alone (platform notes).
+        cpu=device_type == "cpu",
+        log_with=recipe.logging.report_to or None,
+        project_dir=recipe.output_dir,
+    )
+    if launcher and launcher != mixed:
+        log.warning("Accelerate config asks mixed_precision=%s; the recipe's %s wins", launcher, precision)
+    return accelerator, precision
+
+
+def build(recipe: Recipe) -> Run:
+    accelerator, precision = make_accelerator(recipe)
+    set_seed(recipe.seed)
+    tokenizer = load_tokenizer(recipe.model)
+    data = prepare_data(recipe.data, tokenizer, seed=recipe.seed, main_process_first=accelerator.main_process_first)
+    config = load_config(recipe.model)
+    model = load_model(recipe, precision)
+    loss_impl = resolve_loss_impl(recipe.training.loss, config)
+    plan = make_plan(recipe, accelerator.num_processes)
+    wrapped = CausalLMWithLoss(model, loss_impl)
+    if recipe.training.compile:
+        wrapped = torch.compile(wrapped)
+    optimizer = make_optimizer(wrapped, recipe, accelerator.device)
+    scheduler = make_scheduler(optimizer, recipe)
+    wrapped, optimizer = accelerator.prepare(wrapped, optimizer)
+    # Not prepared: Accelerate would step a prepared scheduler once per process per optimizer step.
+    accelerator.register_for_checkpointing(scheduler)
+    trainable, total = count_parameters(model)
+    run = Run(
+        recipe=recipe,
+        accelerator=accelerator,
+        precision=precision,
+        tokenizer=tokenizer,
+        data=data,
+        model=wrapped,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        plan=plan,
+        flops_per_token=flops_per_token(config, trainable, total, recipe.data.max_length),
+        peak_flops=measure_peak_flops(accelerator.device, precision),
+    )
+    resume(run)
+    log_setup(run, trainable, total)
+    return run
+
+
+def make_optimizer(model: torch.nn.Module, recipe: Recipe, device: torch.device) -> torch.optim.Optimizer:
+    t = recipe.training
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            # Biases and norm gains (1-D) are not decayed: decay would pull them toward 0, not toward small.
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if t.optimizer == "adamw_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups, lr=t.learning_rate, betas=tuple(t.adam_betas))
+    # Fused AdamW does the whole update in one kernel with no state-sized temporaries.
+    fused = device.type == "cuda" and all(p.dtype.is_floating_point for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=tuple(t.adam_betas), fused=fused or None)
+
+
+def lr_factor(step: int, recipe: Recipe) -> float:
+    """Warmup then decay, as a fraction of the peak learning rate (pure; step is 0-based)."""
+    t = recipe.training
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    if t.lr_schedule == "constant":
+        return 1.0
+    progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if t.lr_schedule == "cosine" else 1 - progress
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, recipe))
+
+
+def resume(run: Run) -> None:
+    r, acc = run.recipe, run.accelerator
+    path = checkpoint.resolve_resume(r.output_dir, r.checkpoint.resume)
+    if path is None:
+        return
+    breaking, harmless = checkpoint.continuity_problems(checkpoint.saved_recipe(path), r.to_dict())
+    if breaking:
+        raise checkpoint.ResumeError(
+            f"cannot resume from {path}: the recipe changed in ways that make it a different run:\n  "
+            + "\n  ".join(breaking)
+            + "\nStart a new output_dir, or set checkpoint.resume=none to start over here."
+        )
+    for change in harmless:
+        log.info("resume: recipe changed %s", change)
+    state = checkpoint.load_checkpoint(acc, path)
+    run.start_step = state["step"]
+    run.counters.update(state["counters"])
+    run.plan = BatchPlan(**state["plan"])
+    log.info("resumed from %s at step %d", path, run.start_step)
+
+
+def log_setup(run: Run, trainable: int, total: int) -> None:
+    r, p = run.recipe, run.plan
+    lines = [
+        f"model          {r.model.name_or_path} ({total / 1e6:.1f}M params, {trainable / 1e6:.2f}M trainable)",
+        f"precision      {run.precision} (recipe: {r.training.precision})",
+        f"checkpointing  {'on' if r.training.gradient_checkpointing else 'off'}",
+        f"batch          global {r.training.global_batch_size} = micro {p.micro_batch_size} x accumulation "
+        f"{p.grad_accum_steps} x processes {p.num_processes} (micro-batch from {p.source})",
+        f"memory         {p.describe()}",
+        f"data           {run.data.stats.examples} examples -> {len(run.data.train)} rows, "
+        f"{run.data.stats.trained_tokens} trained tokens",
+        f"steps          {run.start_step} -> {r.training.max_steps}",
+    ]
+    log.info("llmtune run\n  " + "\n  ".join(lines))
+
+
+# ---------------------------------------------------------------- the loop
+
+
+class Preemption:
+    """Turns SIGTERM / SIGINT / SIGUSR1 into a flag checked at step boundaries; a second SIGINT aborts."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __enter__(self) -> Preemption:
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        log.warning("received %s: saving a checkpoint at the end of this step", signal.Signals(signum).name)
+        self.requested = True
+
+
+def fit(run: Run) -> dict[str, Any]:
+    r, acc, model = run.recipe, run.accelerator, run.model
+    out = Path(r.output_dir)
+    if acc.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "recipe.yaml").write_text(dump_recipe(r))
+    metrics = MetricsLogger(acc, out, r, total_steps=r.training.max_steps, start_step=run.start_step)
+    nonfinite = 0
+    steady_peak = 0  # the first optimizer step is lower: AdamW states appear during it
+    step = run.start_step
+    started = time.perf_counter()
+    with Preemption() as preemption:
+        while step < r.training.max_steps:
+            examples = batch_for_step(
+                run.data.train,
+                step=step,
+                global_batch_size=r.training.global_batch_size,
+                seed=r.seed,
+                rank=acc.process_index,
+                world_size=acc.num_processes,
+                group_by_length=r.data.group_by_length,
+            )
+            t0 = time.perf_counter()
+            # On CUDA the allocator counts for free; on a CPU counting live tensors slows a step down
+            # (~1.5x on tiny models), so only the first steps and the logged ones are measured there.
+            measured = acc.device.type == "cuda" or step < 3 or (step + 1) % r.logging.every_n_steps == 0
+            tracker = PeakMemoryTracker(acc.device, baseline=[model, run.optimizer])
+            with tracker if measured else contextlib.nullcontext():
+                result = train_step(run, examples)
+            if result is None:  # out of memory: the plan shrank; redo the same step
+                continue
+            loss, trained_tokens, grad_norm = result
+            if not math.isfinite(loss):
+                nonfinite += 1
+                run.counters["skipped_steps"] += 1
+                log.warning("step %d: non-finite loss (%s), update skipped (%d in a row)", step, loss, nonfinite)
+                if nonfinite >= r.training.max_nonfinite_steps:
+                    raise TrainingError(
+                        f"step {step}: {nonfinite} consecutive non-finite losses; stopping. The last good"
+                        f" checkpoint is kept in {checkpoint.checkpoints_root(out)}. Try a lower learning rate,"
+                        " bf16 instead of fp16, or a smaller training.max_grad_norm."
+                    )
+            else:
+                nonfinite = 0
+            if acc.optimizer_step_was_skipped:  # fp16 overflow: the scaler skipped the update
+                run.counters["skipped_steps"] += 1
+            lr = run.scheduler.get_last_lr()[0]
+            run.scheduler.step()
+            step += 1
+            run.counters["trained_tokens"] += trained_tokens
+            peak = tracker.peak_bytes if measured else None
+            if step > 1 and peak:
+                steady_peak = max(steady_peak, peak)
+            seconds = time.perf_counter() - t0
+            metrics.log_step(
+                step,
+                loss=loss,
+                lr=lr,
+                grad_norm=grad_norm,
+                trained_tokens=trained_tokens,
+                seconds=seconds,
+                tokens_per_s=trained_tokens / seconds,
+                mfu=trained_tokens * run.flops_per_token / seconds / run.peak_flops / acc.num_processes,
+                peak_memory_bytes=peak,
+                skipped_steps=run.counters["skipped_steps"],
+                micro_batch_size=run.plan.micro_batch_size,
+            )
+            if (
+                run.data.eval is not None
+                and r.training.eval_every_n_steps
+                and step % r.training.eval_every_n_steps == 0
+            ):
+                metrics.log_eval(step, evaluate(run))
+            stop = preemption_requested(acc, preemption)
+            if stop or (r.checkpoint.every_n_steps and step % r.checkpoint.every_n_steps == 0):
+                save(run, step)
+            if stop:
+                metrics.close()
+                return {"preempted_at_step": step}
+    eval_loss = evaluate(run) if run.data.eval is not None else None
+    if eval_loss is not None:
+        metrics.log_eval(step, eval_loss)
+    final = checkpoint.save_final(acc, model, run.tokenizer, out)
+    summary = run_summary(run, metrics, steady_peak, time.perf_counter() - started, step, eval_loss, final)
+    metrics.close(summary)
+    return summary
+
+
+def train_step(run: Run, examples: list[dict]) -> tuple[float, int, float] | None:
+    """One optimizer step over this process's examples. Returns (loss per trained token, trained tokens
+    on all processes, grad norm), or None when any process ran out of memory (the plan was shrunk)."""
+    acc, model, m = run.accelerator, run.model, run.plan.micro_batch_size
+    pad = run.tokenizer.pad_token_id
+    micro_batches = [
+        collate(examples[i : i + m], pad_token_id=pad, packed=run.data.packed) for i in range(0, len(examples), m)
+    ]
+    # Loss is summed per token and divided by the trained tokens of the whole window on all processes,
+    # so long and short examples weigh the same whatever the micro-batching. DDP averages gradients
+    # over processes, hence the factor num_processes.
+    local = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
+    total = int(acc.reduce(torch.tensor(local, device=acc.device), reduction="sum"))
+    scale = acc.num_processes / max(total, 1)
+    loss_sum = torch.zeros((), device=acc.device)
+    oom = False
+    try:
+        for i, batch in enumerate(micro_batches):
+            batch = {k: v.to(acc.device) for k, v in batch.items()}
+            last = i == len(micro_batches) - 1
+            # Gradients are all-reduced only on the window's last micro-batch.
+            with contextlib.nullcontext() if last else acc.no_sync(model):
+                token_loss = model(**batch)
+                acc.backward(token_loss * scale)
+            loss_sum += token_loss.detach().float()
+    except torch.OutOfMemoryError:
+        oom = True
+    if bool(acc.reduce(torch.tensor(int(oom), device=acc.device), reduction="sum")):
+        run.optimizer.zero_grad(set_to_none=True)
+        run.plan = shrink_plan(run.plan, len(examples))
+        log.warning(
+            "out of memory: micro-batch now %d, accumulation %d", run.plan.micro_batch_size, run.plan.grad_accum_steps
+        )
+        return None
+    loss = float(acc.reduce(loss_sum, reduction="sum")) / max(total, 1)
+    grad_norm = float("nan")
+    if math.isfinite(loss):
+        if run.recipe.training.max_grad_norm > 0:
+            grad_norm = float(acc.clip_grad_norm_(model.parameters(), run.recipe.training.max_grad_norm))
+        run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return loss, total, grad_norm
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    acc, model = run.accelerator, run.model
+    model.eval()
+    loss_sum = torch.zeros((), device=acc.device)
+    tokens = torch.zeros((), device=acc.device)
+    batches = eval_batches(
+        run.data.eval, batch_size=run.plan.micro_batch_size, rank=acc.process_index, world_size=acc.num_processes
+    )
+    for examples in batches:
+        batch = collate(examples, pad_token_id=run.tokenizer.pad_token_id, packed=run.data.packed)
+        tokens += (batch["labels"][:, 1:] != -100).sum()
+        loss_sum += model(**{k: v.to(acc.device) for k, v in batch.items()}).float()
+    model.train()
+    return float(acc.reduce(loss_sum, reduction="sum") / acc.reduce(tokens, reduction="sum").clamp(min=1))
+
+
+def preemption_requested(acc: Accelerator, preemption: Preemption) -> bool:
+    """True on every process when a signal reached any process (all must save together)."""
+    flag = torch.tensor(int(preemption.requested), device=acc.device)
+    return bool(acc.reduce(flag, reduction="sum"))
+
+
+def save(run: Run, step: int) -> None:
+    state = {"step": step, "counters": run.counters, "plan": asdict(run.plan)}
+    checkpoint.save_checkpoint(
+        run.accelerator, run.recipe.output_dir, step, state, dump_recipe(run.recipe), run.recipe.checkpoint.keep_last
+    )
+
+
+def run_summary(
+    run: Run, metrics: MetricsLogger, peak_bytes: int, seconds: float, step: int, eval_loss: float | None, final: Path
+) -> dict[str, Any]:
+    trained = run.counters["trained_tokens"]
+    return {
+        "precision": run.precision,
+        "gradient_checkpointing": run.recipe.training.gradient_checkpointing,
+        "micro_batch_size": run.plan.micro_batch_size,
+        "grad_accum_steps": run.plan.grad_accum_steps,
+        "num_processes": run.plan.num_processes,
+        "global_batch_size": run.recipe.training.global_batch_size,
+        "steps": step,
+        "trained_tokens": trained,
+        "seconds": seconds,
+        "tokens_per_s": metrics.tokens_per_s(),
+        "peak_memory_bytes": peak_bytes,
+        "memory_plan": run.plan.to_dict(),
+        "skipped_steps": run.counters["skipped_steps"],
+        "eval_loss": eval_loss,
+        "final_dir": str(final),
+    }
+
+
+def train(recipe: Recipe) -> dict[str, Any]:
+    return fit(build(recipe))

@@ -1,0 +1,109 @@
+"""Recipes: validation before anything heavy loads, inheritance, overrides, every shipped recipe."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmtune.recipe import RecipeError, load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted(p for p in (ROOT / "recipes").glob("*.yaml"))
+
+
+def write(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+MINIMAL = {"model": {"name_or_path": "some/model"}, "data": {"train": [{"path": "x.jsonl"}]}}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_recipe_validates(path):
+    recipe = load_recipe(path)
+    assert recipe.model.name_or_path
+
+
+def test_misspelled_key_names_file_key_and_suggestion(tmp_path):
+    path = write(tmp_path / "r.yaml", {**MINIMAL, "training": {"learning_rat": 1e-4}})
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    (problem,) = err.value.problems
+    assert str(path) in problem
+    assert "`training.learning_rat`" in problem
+    assert "did you mean training.learning_rate?" in problem
+
+
+def test_all_problems_reported_at_once(tmp_path):
+    path = write(
+        tmp_path / "r.yaml",
+        {**MINIMAL, "sed": 1, "training": {"precision": "fp8", "max_steps": "ten", "gradient_checkpointing": "yes"}},
+    )
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    text = str(err.value)
+    assert len(err.value.problems) == 4
+    assert "did you mean seed?" in text
+    assert "`training.precision` must be 'auto' | 'bf16' | 'fp16' | 'fp32' | 'bf16-true', got 'fp8'" in text
+    assert "`training.max_steps` must be an integer" in text
+    assert "`training.gradient_checkpointing` must be true or false" in text
+
+
+def test_value_rules(tmp_path):
+    path = write(tmp_path / "r.yaml", {**MINIMAL, "training": {"micro_batch_size": 3, "global_batch_size": 8}})
+    with pytest.raises(
+        RecipeError, match=r"global_batch_size.*\(8\) must be a multiple of training.micro_batch_size \(3\)"
+    ):
+        load_recipe(path)
+
+
+def test_missing_required_key(tmp_path):
+    path = write(tmp_path / "r.yaml", {"data": MINIMAL["data"]})
+    with pytest.raises(RecipeError, match="missing required key `model`"):
+        load_recipe(path)
+
+
+def test_inheritance_merges_deeply_and_names_the_right_file(tmp_path):
+    base = write(tmp_path / "base.yaml", {**MINIMAL, "training": {"learning_rate": 1e-4, "max_steps": 7}})
+    child = write(tmp_path / "child.yaml", {"base": "base.yaml", "training": {"max_steps": 9}})
+    recipe = load_recipe(child)
+    assert recipe.training.max_steps == 9 and recipe.training.learning_rate == 1e-4
+    assert recipe.model.name_or_path == "some/model"
+    write(base, {**MINIMAL, "training": {"warmup": 3}})
+    with pytest.raises(RecipeError, match=f"{base}: unknown key `training.warmup`"):
+        load_recipe(child)
+
+
+def test_overrides_are_typed_and_validated(tmp_path):
+    path = write(tmp_path / "r.yaml", MINIMAL)
+    recipe = load_recipe(path, ["training.max_steps=20", "output_dir=/tmp/x", "training.learning_rate=3e-4"])
+    assert recipe.training.max_steps == 20 and recipe.output_dir == "/tmp/x"
+    assert recipe.training.learning_rate == pytest.approx(3e-4)
+    with pytest.raises(RecipeError, match=r"<command line>: unknown key `training.max_step` \(did you mean"):
+        load_recipe(path, ["training.max_step=20"])
+
+
+def test_base_loop_is_refused(tmp_path):
+    write(tmp_path / "a.yaml", {"base": "b.yaml"})
+    write(tmp_path / "b.yaml", {"base": "a.yaml"})
+    with pytest.raises(RecipeError, match="loops back"):
+        load_recipe(tmp_path / "a.yaml")
+
+
+def test_cli_refuses_bad_recipe_with_exit_2_and_no_traceback(tmp_path):
+    path = write(tmp_path / "r.yaml", {**MINIMAL, "trainig": {"max_steps": 3}})
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "finetune.py"), "--recipe", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and str(path) in lines[0] and "did you mean training?" in lines[0]

@@ -1,0 +1,101 @@
+"""The training loop end to end on tiny models: precisions, checkpointing, accumulation, outputs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from llmtune.cli import main
+from llmtune.recipe import load_recipe
+from llmtune.train import build, fit
+
+ROOT = Path(__file__).resolve().parents[1]
+METRIC_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_bytes"}
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_entry_point_trains_saves_and_reloads(tiny_recipe, tmp_path):
+    recipe = tiny_recipe(training__precision="bf16", training__gradient_checkpointing=True, training__max_steps=8)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "finetune.py"), "--recipe", str(recipe), "logging.every_n_steps=4"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    steps = [m for m in read_metrics(run) if "loss" in m]
+    assert [m["step"] for m in steps] == list(range(1, 9))
+    assert all(METRIC_FIELDS <= m.keys() for m in steps)
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    summary = json.loads((run / "run_summary.json").read_text())
+    assert summary["precision"] == "bf16" and summary["gradient_checkpointing"] is True
+    assert (summary["micro_batch_size"], summary["grad_accum_steps"], summary["num_processes"]) == (4, 2, 1)
+    assert summary["peak_memory_bytes"] > 0 and summary["trained_tokens"] > 0
+    assert load_recipe(run / "recipe.yaml").training.max_steps == 8
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    assert model.config.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_precisions_and_checkpointing_train(tiny_recipe, tmp_path, precision, checkpointing):
+    recipe = tiny_recipe(training__precision=precision, training__gradient_checkpointing=checkpointing)
+    assert main(["train", "--recipe", str(recipe)]) == 0
+    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
+    assert summary["precision"] == precision and summary["gradient_checkpointing"] is checkpointing
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run") if "loss" in m]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_fp16_on_cpu_is_refused_not_silently_replaced(tiny_recipe, capsys):
+    assert main(["train", "--recipe", str(tiny_recipe(training__precision="fp16"))]) == 2
+    assert "fp16 cannot run on cpu" in capsys.readouterr().err
+
+
+def test_final_model_reloads_with_the_same_logits(tiny_recipe):
+    run = build(load_recipe(tiny_recipe()))
+    summary = fit(run)
+    in_memory = run.accelerator.unwrap_model(run.model).model.eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(summary["final_dir"]).eval()
+    ids = torch.randint(0, in_memory.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, in_memory(ids).logits, rtol=0, atol=1e-5)
+
+
+def trained_weights(recipe_path: Path, *overrides: str) -> dict[str, torch.Tensor]:
+    run = build(load_recipe(recipe_path, list(overrides)))
+    fit(run)
+    return {k: v.detach().clone() for k, v in run.accelerator.unwrap_model(run.model).model.state_dict().items()}
+
+
+def test_gradient_accumulation_matches_one_big_batch(tiny_recipe, tmp_path):
+    recipe = tiny_recipe(training__max_steps=2)
+    accumulated = trained_weights(recipe, "training.micro_batch_size=2", f"output_dir={tmp_path / 'a'}")
+    one_batch = trained_weights(recipe, "training.micro_batch_size=8", f"output_dir={tmp_path / 'b'}")
+    for name, value in accumulated.items():
+        torch.testing.assert_close(value, one_batch[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_checkpointing_lowers_measured_peak_memory(tiny_recipe, tmp_path):
+    peaks = {}
+    for checkpointing in (False, True):
+        out = tmp_path / f"gc-{checkpointing}"
+        recipe = tiny_recipe(
+            training__micro_batch_size=16,
+            training__global_batch_size=16,
+            training__max_steps=3,
+            training__gradient_checkpointing=checkpointing,
+            output_dir=str(out),
+        )
+        assert main(["train", "--recipe", str(recipe)]) == 0
+        peaks[checkpointing] = json.loads((out / "run_summary.json").read_text())["peak_memory_bytes"]
+    assert peaks[True] < 0.8 * peaks[False], peaks
