@@ -4,7 +4,7 @@ VENV_OK := .venv/.installed
 # The CPU build of torch, so a machine without a GPU does not download a multi-GB CUDA build.
 CPU_TORCH := torch==2.13.0
 
-.PHONY: install train test test-fast lint format bench clean
+.PHONY: install train test test-fast lint format docs clean
 
 install: $(VENV_OK)
 
@@ -38,3 +38,7 @@ format: install
 
 clean:
 	rm -rf .venv runs .pytest_cache .ruff_cache *.egg-info
+
+docs: install
+	$(PY) -c "import re, pathlib; from llmtune.recipe import reference; p = pathlib.Path('docs/recipes.md'); \
+	t = p.read_text(); p.write_text(t[: t.index('| key |')] + reference())"

@@ -108,8 +108,22 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path) -> dict[str, Any]:
-    accelerator.load_state(str(path))
+def save_trainable_only(accelerator: Accelerator) -> None:
+    """Under PEFT a checkpoint holds only what trains (the adapters, MBs): the frozen base comes back from
+    where it was loaded (or, for random_init, from the seed), not from a multi-GB copy per checkpoint."""
+
+    def drop_frozen(models: list, weights: list[dict[str, Any]], output_dir: str) -> None:
+        for model, state in zip(models, weights, strict=True):
+            trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+            for key in [k for k in state if k not in trainable]:
+                del state[key]
+
+    accelerator.register_save_state_pre_hook(drop_frozen)
+
+
+def load_checkpoint(accelerator: Accelerator, path: Path, *, trainable_only: bool = False) -> dict[str, Any]:
+    # strict=False only when the checkpoint was saved without the frozen base (save_trainable_only).
+    accelerator.load_state(str(path), strict=not trainable_only)
     return json.loads((path / STATE_FILE).read_text())
 
 
@@ -133,15 +147,25 @@ def continuity_problems(saved: dict[str, Any], current: dict[str, Any]) -> tuple
     return breaking, harmless
 
 
-def save_final(accelerator: Accelerator, model, tokenizer, output_dir: str | Path) -> Path:
-    """Write `final/` atomically: a loadable `save_pretrained` model (or adapter) plus the tokenizer."""
+def save_final(accelerator: Accelerator, model, tokenizer, output_dir: str | Path, *, save_base: bool = False) -> Path:
+    """Write `final/` atomically: a loadable `save_pretrained` model (or adapter) plus the tokenizer.
+
+    `save_base` also writes the frozen base under `final/base/`: a randomly initialised base exists on
+    no disk, and without it an adapter could never be merged.
+    """
     out = Path(output_dir)
     tmp = _fresh_tmp(accelerator, out, "final")
     # get_state_dict gathers full weights from FSDP / ZeRO-3 shards; every process must take part.
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).model.save_pretrained(tmp, state_dict=_strip_prefix(state_dict, "model."))
+        inner = accelerator.unwrap_model(model).model
+        weights = _strip_prefix(state_dict, "model.")
+        inner.save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
+        if save_base:
+            from llmtune.merge import BASE_DIR, save_base_weights
+
+            save_base_weights(inner, tmp / BASE_DIR, weights)
     final = out / "final"
     _publish(accelerator, tmp, final)
     return final

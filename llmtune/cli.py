@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show", type=int, default=3, help="examples to show")
     p.add_argument("--json", action="store_true", help="print one JSON object (rows and stats)")
     p.set_defaults(func=cmd_data)
+
+    from llmtune.merge import add_merge_parser
+
+    add_merge_parser(sub)
     return parser
 
 

@@ -121,10 +121,15 @@ def apply_peft(model: PreTrainedModel, cfg: PeftConfig, *, gradient_checkpointin
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if cfg.method == "qlora":
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
-    if gradient_checkpointing:
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    if gradient_checkpointing and not getattr(model, "_require_grads_hook", None):
         # Frozen embeddings produce outputs that need no grad; a checkpointed block whose inputs need
         # no grad would give its adapters none ("element 0 of tensors does not require grad").
+        # transformers 5 registers this hook itself in activation_checkpointing_enable; 4.x does not.
         model.enable_input_require_grads()
     lora = LoraConfig(
         r=cfg.rank,

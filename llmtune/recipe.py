@@ -185,7 +185,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
         origins[key.strip()] = COMMAND_LINE
     recipe = _build(Recipe, raw, "", origins, str(path), problems)
     if not problems:
-        problems += _check_values(recipe)
+        problems += [f"{origins.get(key, str(path))}: {why}" for key, why in _check_values(recipe)]
     if problems:
         raise RecipeError(problems)
     return recipe
@@ -196,10 +196,37 @@ def recipe_from_dict(data: dict[str, Any], source: str = "<dict>") -> Recipe:
     problems: list[str] = []
     recipe = _build(Recipe, data, "", {}, source, problems)
     if not problems:
-        problems += _check_values(recipe)
+        problems += [f"{source}: {why}" for _, why in _check_values(recipe)]
     if problems:
         raise RecipeError(problems)
     return recipe
+
+
+def reference() -> str:
+    """Markdown table of every recipe key, its type, default and documentation (docs/recipes.md)."""
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+            nested = tp if dataclasses.is_dataclass(tp) else item if dataclasses.is_dataclass(item) else None
+            if f.default is not dataclasses.MISSING:
+                default = yaml.safe_dump(f.default, default_flow_style=True).strip().removesuffix("...").strip()
+            elif f.default_factory is not dataclasses.MISSING and not nested:
+                default = yaml.safe_dump(f.default_factory(), default_flow_style=True).strip()
+            else:
+                default = "required" if f.default_factory is dataclasses.MISSING else ""
+            kind = "list of mappings" if item and nested else "mapping" if nested else _describe(tp).replace("|", "\\|")
+            lines.append(
+                f"| `{prefix}{f.name}` | {kind} | {'`' + default + '`' if default else ''} | {f.metadata['doc']} |"
+            )
+            if nested:
+                walk(nested, f"{prefix}{f.name}{'[]' if item else ''}.")
+
+    walk(Recipe, "")
+    return "\n".join(lines) + "\n"
 
 
 def dump_recipe(recipe: Recipe) -> str:
@@ -358,13 +385,13 @@ def _describe(tp: Any) -> str:
     )
 
 
-def _check_values(r: Recipe) -> list[str]:
-    """Value rules that types alone cannot express."""
+def _check_values(r: Recipe) -> list[tuple[str, str]]:
+    """Value rules that types alone cannot express, as (dotted key, message)."""
     t, problems = r.training, []
 
     def need(ok: bool, key: str, why: str) -> None:
         if not ok:
-            problems.append(f"`{key}` {why}")
+            problems.append((key, f"`{key}` {why}"))
 
     need(bool(r.data.train), "data.train", "must name at least one source")
     need(r.data.max_length > 0, "data.max_length", "must be positive")
@@ -397,5 +424,7 @@ def _check_values(r: Recipe) -> list[str]:
 
             parse_bytes(r.memory.budget)
         except ValueError:
-            problems.append(f"`memory.budget` must be auto or a size like 20GiB, got {r.memory.budget!r}")
+            problems.append(
+                ("memory.budget", f"`memory.budget` must be auto or a size like 20GiB, got {r.memory.budget!r}")
+            )
     return problems

@@ -145,8 +145,16 @@ def make_accelerator(recipe: Recipe) -> tuple[Accelerator, str]:
         log_with=recipe.logging.report_to or None,
         project_dir=recipe.output_dir,
     )
+    for flag, name in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")):
+        if os.environ.get(flag, "").lower() == "true" and accelerator.distributed_type.value != name:
+            # Accelerate builds FSDP/DeepSpeed only on accelerators; on CPUs it silently falls back.
+            log.warning(
+                "the launcher asked for %s, which Accelerate runs only on GPUs; this run is %s",
+                name,
+                accelerator.distributed_type.value,
+            )
     if launcher and launcher != mixed:
-        log.warning("Accelerate config asks mixed_precision=%s; the recipe's %s wins", launcher, precision)
+        log.info("the launcher asked for mixed_precision=%s; the recipe's precision %s wins", launcher, precision)
     return accelerator, precision
 
 
@@ -167,6 +175,8 @@ def build(recipe: Recipe) -> Run:
     wrapped, optimizer = accelerator.prepare(wrapped, optimizer)
     # Not prepared: Accelerate would step a prepared scheduler once per process per optimizer step.
     accelerator.register_for_checkpointing(scheduler)
+    if recipe.peft.method != "none":
+        checkpoint.save_trainable_only(accelerator)
     trainable, total = count_parameters(model)
     run = Run(
         recipe=recipe,
@@ -233,7 +243,7 @@ def resume(run: Run) -> None:
         )
     for change in harmless:
         log.info("resume: recipe changed %s", change)
-    state = checkpoint.load_checkpoint(acc, path)
+    state = checkpoint.load_checkpoint(acc, path, trainable_only=r.peft.method != "none")
     run.start_step = state["step"]
     run.counters.update(state["counters"])
     run.plan = BatchPlan(**state["plan"])
@@ -244,6 +254,8 @@ def log_setup(run: Run, trainable: int, total: int) -> None:
     r, p = run.recipe, run.plan
     lines = [
         f"model          {r.model.name_or_path} ({total / 1e6:.1f}M params, {trainable / 1e6:.2f}M trainable)",
+        f"launch         {run.accelerator.distributed_type.value} x {run.accelerator.num_processes} on "
+        f"{run.accelerator.device}",
         f"precision      {run.precision} (recipe: {r.training.precision})",
         f"checkpointing  {'on' if r.training.gradient_checkpointing else 'off'}",
         f"batch          global {r.training.global_batch_size} = micro {p.micro_batch_size} x accumulation "
@@ -317,10 +329,10 @@ def fit(run: Run) -> dict[str, Any]:
             if not math.isfinite(loss):
                 nonfinite += 1
                 run.counters["skipped_steps"] += 1
-                log.warning("step %d: non-finite loss (%s), update skipped (%d in a row)", step, loss, nonfinite)
+                log.warning("step %d: non-finite loss (%s), update skipped (%d in a row)", step + 1, loss, nonfinite)
                 if nonfinite >= r.training.max_nonfinite_steps:
                     raise TrainingError(
-                        f"step {step}: {nonfinite} consecutive non-finite losses; stopping. The last good"
+                        f"step {step + 1}: {nonfinite} consecutive non-finite losses; stopping. The last good"
                         f" checkpoint is kept in {checkpoint.checkpoints_root(out)}. Try a lower learning rate,"
                         " bf16 instead of fp16, or a smaller training.max_grad_norm."
                     )
@@ -356,7 +368,9 @@ def fit(run: Run) -> dict[str, Any]:
             ):
                 metrics.log_eval(step, evaluate(run))
             stop = preemption_requested(acc, preemption)
-            if stop or (r.checkpoint.every_n_steps and step % r.checkpoint.every_n_steps == 0):
+            # A step whose loss was non-finite is not checkpointed: the last good checkpoint stays newest.
+            periodic = r.checkpoint.every_n_steps and step % r.checkpoint.every_n_steps == 0 and not nonfinite
+            if stop or periodic:
                 save(run, step)
             if stop:
                 metrics.close()
@@ -364,7 +378,8 @@ def fit(run: Run) -> dict[str, Any]:
     eval_loss = evaluate(run) if run.data.eval is not None else None
     if eval_loss is not None:
         metrics.log_eval(step, eval_loss)
-    final = checkpoint.save_final(acc, model, run.tokenizer, out)
+    save_base = r.model.random_init and r.peft.method != "none"
+    final = checkpoint.save_final(acc, model, run.tokenizer, out, save_base=save_base)
     summary = run_summary(run, metrics, steady_peak, time.perf_counter() - started, step, eval_loss, final)
     metrics.close(summary)
     return summary

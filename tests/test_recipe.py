@@ -107,3 +107,9 @@ def test_cli_refuses_bad_recipe_with_exit_2_and_no_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and str(path) in lines[0] and "did you mean training?" in lines[0]
+
+
+def test_recipe_reference_is_in_sync_with_the_code():
+    from llmtune.recipe import reference
+
+    assert reference() in (ROOT / "docs" / "recipes.md").read_text(), "run `make docs`"

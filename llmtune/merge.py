@@ -1,0 +1,301 @@
+"""Merge a LoRA / DoRA run's adapter into its base model: one plain Hugging Face model folder out.
+
+`merge_run` takes a run's `output_dir` (it reads `final/`), a `final/` folder itself, or a checkpoint
+folder (`checkpoints/step-000120/`), and writes a model that plain `AutoModelForCausalLM.from_pretrained`
+loads (safetensors) plus the tokenizer, atomically: everything goes to a hidden sibling folder which is
+renamed into place only when complete.
+
+Where the base weights come from:
+
+* `final/` holds only the adapter (peft's `save_pretrained`); `adapter_config.json` names the base model
+  (a hub id or a local folder), which is loaded again and must be the same weights the run trained on.
+* A base with `model.random_init: true` was drawn at random from its config and exists on no disk. Drawing
+  it again is not reproducible (the draw depends on the RNG state at load time, the torch version and
+  the init code), so it is never re-drawn: `final/base/` is used when the run saved it there
+  (`save_base_weights`), else the merge is refused with a message saying what to do instead.
+* A checkpoint folder holds only the adapters (see `checkpoint.save_trainable_only`) and its
+  `recipe.yaml`; the base is loaded from the recipe's `model.name_or_path` (refused for random_init).
+
+QLoRA: `final/` merges into the base loaded in 16/32-bit (never re-quantised), which is the usual way to
+ship a QLoRA model; QLoRA checkpoints are refused (merge final/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+BASE_DIR = "base"  # final/base/: base weights saved beside the adapter when they exist on no other disk
+CHECKPOINT_STATE = "trainer_state.json"  # marks an llmtune checkpoint folder (see checkpoint.STATE_FILE)
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+# torch is imported lazily: `llmtune --help` and the other subcommands should not pay for it here.
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class MergeError(ValueError):
+    """The folder given cannot be merged; the message says why and what to do instead."""
+
+
+def merge_run(run_dir: str | Path, out: str | Path | None = None, *, dtype: str = "auto") -> Path:
+    """Merge the adapter of `run_dir` into its base model and write the result to `out`.
+
+    `run_dir`: a run's output_dir (uses its `final/`), a `final/` folder, or a checkpoint folder.
+    `out`: defaults to `<output_dir>/merged` (`<output_dir>/merged-step-000120` for a checkpoint).
+    `dtype`: `auto` keeps the base model's stored dtype; `fp32` / `bf16` / `fp16` cast the merged weights.
+    Returns `out`. Raises MergeError for anything that is not a mergeable run.
+    """
+    if dtype != "auto" and dtype not in DTYPES:
+        raise MergeError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
+    kind, folder = locate(Path(run_dir))
+    if kind == "checkpoint":
+        model, tokenizer = _merge_checkpoint(folder, dtype)
+        default_out = folder.parent.parent / f"merged-{folder.name}"
+    else:
+        model, tokenizer = _merge_adapter(folder, dtype)
+        default_out = folder.parent / "merged"
+    out = Path(out) if out is not None else default_out
+    # The adapter model ran with use_cache=False for training; the merged model is for inference.
+    model.config.use_cache = True
+    _write_atomically(model, tokenizer, out)
+    log.info("merged %s -> %s", folder, out)
+    return out
+
+
+def locate(path: Path) -> tuple[str, Path]:
+    """("adapter", the folder with adapter_config.json) or ("checkpoint", the checkpoint folder)."""
+    if not path.is_dir():
+        raise MergeError(f"{path}: no such directory (pass a run's output_dir, its final/ or a checkpoint folder)")
+    if (path / CHECKPOINT_STATE).is_file():
+        return "checkpoint", path
+    if (path / ADAPTER_CONFIG).is_file():
+        return "adapter", path
+    final = path / "final"
+    if final.is_dir():
+        if (final / ADAPTER_CONFIG).is_file():
+            return "adapter", final
+        if (final / "config.json").is_file():
+            raise MergeError(_full_finetune_message(final))
+        raise MergeError(f"{final}: holds neither an adapter ({ADAPTER_CONFIG}) nor a model (config.json)")
+    if (path / "config.json").is_file() and any((path / w).is_file() for w in WEIGHT_FILES):
+        raise MergeError(_full_finetune_message(path))
+    if (path / "recipe.yaml").is_file():
+        found = sorted(p.name for p in (path / "checkpoints").glob("step-*") if (p / CHECKPOINT_STATE).is_file())
+        hint = f"; merge a checkpoint instead: {path / 'checkpoints' / found[-1]}" if found else ""
+        raise MergeError(f"{path}: the run has no final/ (it did not finish){hint}")
+    raise MergeError(f"{path}: not an llmtune run (no final/, no {ADAPTER_CONFIG}, no {CHECKPOINT_STATE})")
+
+
+def _full_finetune_message(folder: Path) -> str:
+    return (
+        f"{folder}: a full fine-tune (peft.method=none) saves the whole model, so there is no adapter to"
+        " merge; load that folder directly with AutoModelForCausalLM.from_pretrained"
+    )
+
+
+# ---------------------------------------------------------------- final/ (adapter only)
+
+
+def _merge_adapter(adapter_dir: Path, dtype: str):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter_config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    recipe = _recipe_near(adapter_dir)
+    model_cfg = recipe.get("model", {}) if recipe else {}
+    base = _base_source(adapter_dir, adapter_config, model_cfg)
+    from_disk = base == adapter_dir / BASE_DIR
+    kwargs: dict[str, Any] = {
+        "dtype": "auto" if dtype == "auto" else getattr(torch, DTYPES[dtype]),
+        "trust_remote_code": bool(model_cfg.get("trust_remote_code", False)),
+    }
+    if not from_disk and model_cfg.get("revision"):
+        kwargs["revision"] = model_cfg["revision"]
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(base), **kwargs)
+    except (OSError, ValueError) as err:
+        raise MergeError(f"cannot load the base model {base} named by {adapter_dir / ADAPTER_CONFIG}: {err}") from err
+    model = PeftModel.from_pretrained(model, str(adapter_dir))
+    # safe_merge checks the merged weights for NaN/inf before committing them.
+    merged = model.merge_and_unload(safe_merge=True)
+    tok_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=kwargs["trust_remote_code"])
+    return merged, tokenizer
+
+
+def _recipe_near(adapter_dir: Path) -> dict[str, Any] | None:
+    """The run's recipe.yaml (in output_dir, beside final/), as a mapping; None when absent."""
+    import yaml
+
+    path = adapter_dir.parent / "recipe.yaml"
+    return yaml.safe_load(path.read_text()) if path.is_file() else None
+
+
+def _base_source(adapter_dir: Path, adapter_config: dict[str, Any], model_cfg: dict[str, Any]) -> Path | str:
+    """Where the base weights are: final/base/, else the base named in adapter_config.json."""
+    if (adapter_dir / BASE_DIR / "config.json").is_file():
+        return adapter_dir / BASE_DIR
+    base = adapter_config.get("base_model_name_or_path")
+    if not base:
+        raise MergeError(f"{adapter_dir / ADAPTER_CONFIG}: names no base model (base_model_name_or_path)")
+    random_init = bool(model_cfg.get("random_init"))
+    no_weights = Path(base).is_dir() and not any((Path(base) / w).is_file() for w in WEIGHT_FILES)
+    if random_init or no_weights:
+        why = "model.random_init: true (weights drawn at random from the config)" if random_init else "no weights"
+        hint = " llmtune saves final/base/ for such runs; this final/ predates that or was copied without it."
+        raise MergeError(
+            f"{adapter_dir}: the adapter's base model {base} has {why}, so the weights it was trained on exist on"
+            f" no disk and re-drawing them is not reproducible; {adapter_dir / BASE_DIR}/ is absent.{hint}"
+        )
+    return base
+
+
+def save_base_weights(
+    peft_model: torch.nn.Module, folder: str | Path, state_dict: dict[str, Any] | None = None
+) -> Path:
+    """Save the frozen base weights of a peft model as a plain HF model folder (e.g. `final/base/`).
+
+    For bases that exist on no disk (`model.random_init`). `state_dict`: the peft model's full state dict
+    (e.g. gathered by `accelerator.get_state_dict` and stripped of the wrapper's `model.` prefix); by
+    default the model's own. Adapter tensors are dropped and peft's wrapper names mapped back
+    (`q_proj.base_layer.weight` -> `q_proj.weight`, `lm_head.original_module.weight` -> `lm_head.weight`).
+    """
+    base_model = peft_model.get_base_model()
+    if state_dict is None:
+        state_dict = peft_model.state_dict()
+    weights = {}
+    for key, value in state_dict.items():
+        key = key.removeprefix("base_model.model.")
+        if ".lora_" in key or ".modules_to_save." in key:
+            continue
+        weights[key.replace(".base_layer.", ".").replace(".original_module.", ".")] = value
+    folder = Path(folder)
+    base_model.save_pretrained(folder, state_dict=weights)
+    return folder
+
+
+# ---------------------------------------------------------------- checkpoints (all weights)
+
+
+def _merge_checkpoint(ckpt: Path, dtype: str):
+    import torch
+    import yaml
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from llmtune.model import apply_peft, load_config, load_tokenizer
+    from llmtune.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict(yaml.safe_load((ckpt / "recipe.yaml").read_text()), str(ckpt / "recipe.yaml"))
+    if recipe.peft.method == "none":
+        raise MergeError(_full_finetune_message(ckpt))
+    if recipe.peft.method == "qlora":
+        raise MergeError(
+            f"{ckpt}: a QLoRA checkpoint holds 4-bit base weights; merge the run's final/ instead (the adapter is"
+            " merged into the base loaded in 16/32-bit)"
+        )
+    weights = ckpt / "model.safetensors"
+    if not weights.is_file():
+        raise MergeError(f"{ckpt}: no model.safetensors (sharded FSDP checkpoints are not supported; merge final/)")
+    if recipe.model.random_init:
+        raise MergeError(
+            f"{ckpt}: checkpoints hold only the adapters, and this run's base was drawn at random"
+            " (model.random_init), so it exists on no disk; merge the run's final/ (it keeps final/base/)"
+        )
+    config = load_config(recipe.model)
+    # fp32 for the merge itself (W + B @ A * scale without bf16 rounding in between); cast at the end.
+    model = AutoModelForCausalLM.from_pretrained(
+        recipe.model.name_or_path,
+        revision=recipe.model.revision,
+        dtype=torch.float32,
+        trust_remote_code=recipe.model.trust_remote_code,
+    )
+    model = apply_peft(model, recipe.peft, gradient_checkpointing=False)
+    # Keys are those of the wrapped CausalLMWithLoss ("model." + peft's names; "_orig_mod." if compiled).
+    # Under PEFT a checkpoint holds only the trainable tensors; the frozen base came from name_or_path.
+    state = {k.removeprefix("_orig_mod.").removeprefix("model."): v for k, v in load_file(weights).items()}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k in trainable]
+    if missing or unexpected:
+        raise MergeError(
+            f"{weights}: does not match the recipe's model + adapter (missing {missing[:3]}, unexpected"
+            f" {unexpected[:3]}); was the checkpoint written by another version?"
+        )
+    merged = model.merge_and_unload(safe_merge=True)
+    target = getattr(torch, DTYPES[dtype]) if dtype in DTYPES else _config_dtype(config)
+    merged.to(target)
+    return merged, load_tokenizer(recipe.model)
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    import torch
+
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    return stored if isinstance(stored, torch.dtype) else torch.float32
+
+
+# ---------------------------------------------------------------- output
+
+
+def _write_atomically(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
+    """Write to a hidden sibling, then rename; an older merge at `out` is replaced only once the new one is whole."""
+    if out.exists() and not (out / "config.json").is_file() and any(out.iterdir()):
+        raise MergeError(f"{out}: exists and is not a model folder; refusing to replace it (choose another --out)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # left over from a merge that was killed
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    for file in tmp.rglob("*"):
+        if file.is_file():  # the rename commits only data that has reached the disk
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+    old = out.with_name(f".{out.name}.old")
+    if out.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_merge_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `llmtune merge --run DIR [--out DIR] [--dtype auto|fp32|bf16|fp16]`."""
+    p = sub.add_parser("merge", help="merge a LoRA/DoRA run's adapter into its base model (a plain HF model folder)")
+    p.add_argument("--run", required=True, type=Path, help="a run's output_dir (uses final/), final/, or a checkpoint")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: OUTPUT_DIR/merged)")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto keeps the base's stored dtype")
+    p.set_defaults(func=cmd_merge)
+    return p
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    try:
+        out = merge_run(args.run, args.out, dtype=args.dtype)
+    except MergeError as err:
+        sys.stderr.write(f"llmtune: error: {err}\n")
+        return 2
+    sys.stdout.write(f"{out}\n")
+    return 0

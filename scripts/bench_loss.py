@@ -1,0 +1,186 @@
+"""Benchmark the causal-LM loss: transformers' ForCausalLMLoss vs llmtune's chunked_cross_entropy.
+
+For each (N tokens, V vocab, precision) it times one forward+backward of the lm_head matmul plus the
+loss, and counts the peak bytes of live tensors allocated during it (a TorchDispatchMode counter, so
+it is the CPU tensor peak, not an allocator figure). Both implementations get the same fp32 hidden
+[N, h] and lm_head weight [V, h] (both requiring grad); "bf16" is bf16 autocast, as in mixed-precision
+training. "ckpt" is the alternative design: torch.utils.checkpoint around each chunk's logits+loss
+(recomputes the chunk's logits in backward).
+
+    .venv/bin/python scripts/bench_loss.py                 # the full grid: 18 min on 2 busy cores (load ~8)
+    .venv/bin/python scripts/bench_loss.py --tokens 2048   # ~2-3 min subset
+
+The N=8192, V=128256 cell alone is ~3/4 of the full run: 3 matmuls of 2*N*V*h = 1 TFLOP each per
+implementation, at ~60 GFLOP/s fp32 on 2 cores.
+
+Writes benchmarks/results/loss_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import checkpoint
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from llmtune.loss import chunked_cross_entropy  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "loss_cpu.json"
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of tensor storages allocated inside the mode and still alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._refs.pop(key, None)
+
+    def _track(self, tensors, count: bool) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = id(st)
+                if key in self._refs and self._refs[key]() is st:
+                    continue
+                # Storages first seen as inputs were allocated before the mode: known, not counted.
+                nbytes = st.nbytes() if count else 0
+                self._refs[key] = weakref.ref(st, lambda _, k=key, n=nbytes: self._freed(k, n))
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self._track(tree_flatten((args, kwargs))[0], count=False)
+        out = func(*args, **kwargs)
+        self._track(tree_flatten(out)[0], count=True)
+        return out
+
+
+def hf_loss(hidden, weight, labels, chunk_size):
+    logits = F.linear(hidden, weight)  # the model's lm_head
+    return ForCausalLMLoss(logits, None, weight.shape[0], num_items_in_batch=torch.ones(()), shift_labels=labels)
+
+
+def chunked_loss(hidden, weight, labels, chunk_size):
+    return chunked_cross_entropy(hidden, weight, labels, chunk_size=chunk_size)
+
+
+def _chunk_ce(h, w, target):
+    return F.cross_entropy(F.linear(h, w).float(), target, reduction="sum")
+
+
+def ckpt_loss(hidden, weight, labels, chunk_size):
+    total = torch.zeros(())
+    for start in range(0, hidden.shape[0], chunk_size):
+        sl = slice(start, start + chunk_size)
+        total = total + checkpoint(_chunk_ce, hidden[sl], weight, labels[sl], use_reentrant=False)
+    return total
+
+
+IMPLS = {"hf": hf_loss, "chunked": chunked_loss, "ckpt": ckpt_loss}
+
+
+def run_one(impl, n, v, h, precision, chunk_size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).requires_grad_(True)
+    weight = (torch.randn(v, h, generator=g) * h**-0.5).requires_grad_(True)
+    labels = torch.randint(0, v, (n,), generator=g)
+    with LiveBytes() as counter:
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = IMPLS[impl](hidden, weight, labels, chunk_size)
+        loss.backward()
+        seconds = time.perf_counter() - start
+    return {"seconds": seconds, "peak_bytes": counter.peak, "loss": loss.item()}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--chunks", type=int, nargs="+", default=[256, 1024, 4096])
+    p.add_argument(
+        "--sweep-max-nv",
+        type=int,
+        default=8192 * 32000,
+        help="above this N*V run only hf and chunk size --main-chunk (keeps the default run to minutes)",
+    )
+    p.add_argument("--main-chunk", type=int, default=1024)
+    p.add_argument("--ckpt-chunk", type=int, default=1024, help="chunk size of the checkpoint design; 0: skip")
+    p.add_argument("--ckpt-max-tokens", type=int, default=2048, help="run the checkpoint design up to this N")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+
+    rows = []
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    cols = ("N", 5), ("V", 6), ("prec", 4), ("impl", 13), ("sec", 7), ("x hf", 6), ("peak MiB", 9), ("x hf", 6)
+    print(" ".join(f"{name:>{width}}" for name, width in cols), f"{'loss rel':>9}")
+    for n in args.tokens:
+        for v in args.vocab:
+            for precision in args.precision:
+                chunks = args.chunks if n * v <= args.sweep_max_nv else [args.main_chunk]
+                plan = [("hf", 0)] + [("chunked", c) for c in chunks]
+                if args.ckpt_chunk and n <= args.ckpt_max_tokens:
+                    plan.append(("ckpt", args.ckpt_chunk))
+                base = None
+                for impl, chunk in plan:
+                    r = run_one(impl, n, v, args.hidden, precision, chunk)
+                    base = base or r
+                    row = {
+                        "tokens": n,
+                        "vocab": v,
+                        "hidden": args.hidden,
+                        "precision": precision,
+                        "impl": impl,
+                        "chunk_size": chunk or None,
+                        **r,
+                        "time_vs_hf": r["seconds"] / base["seconds"],
+                        "peak_vs_hf": r["peak_bytes"] / base["peak_bytes"],
+                        "peak_bytes_per_NV": r["peak_bytes"] / (n * v),
+                        "loss_rel_diff_vs_hf": abs(r["loss"] - base["loss"]) / abs(base["loss"]),
+                    }
+                    rows.append(row)
+                    name = impl if not chunk else f"{impl}-{chunk}"
+                    print(
+                        f"{n:>5} {v:>6} {precision:>4} {name:>13} {r['seconds']:>7.2f} {row['time_vs_hf']:>6.2f} "
+                        f"{r['peak_bytes'] / 2**20:>9.1f} {row['peak_vs_hf']:>6.3f} {row['loss_rel_diff_vs_hf']:>9.1e}",
+                        flush=True,
+                    )
+    meta = {
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "total_seconds": time.perf_counter() - t0,
+        "note": "one run per row (no repeats); times are noisy when the machine is shared (see loadavg)",
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.out} in {meta['total_seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

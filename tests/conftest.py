@@ -1,0 +1,146 @@
+"""Shared fixtures: a tokenizer built offline (nothing comes from the hub)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is two plus two? Two plus two is four.",
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
+    "### Instruction:\n### Input:\n### Response:\nuser assistant system",
+    "Hello, how are you? I am fine, thank you. Tell me a story about a cat.",
+] * 20
+
+
+def build_tokenizer(folder: Path, chat_template: str | None = CHATML):
+    """A byte-level BPE (~400 tokens, BOS added) trained on a few strings, saved and reloaded via AutoTokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture
+def tokenizer(tokenizer_dir):
+    """A fresh copy per test (tests may set a chat template on it)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+# ---------------------------------------------------------------- tiny runs (training-loop tests)
+
+
+def write_tiny_model(folder: Path, **config) -> Path:
+    """A tokenizer plus a tiny Llama config (no weights: recipes set model.random_init)."""
+    from transformers import LlamaConfig
+
+    tokenizer = build_tokenizer(folder)
+    defaults = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    LlamaConfig(
+        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **{**defaults, **config}
+    ).save_pretrained(folder)
+    return folder
+
+
+def write_tiny_data(path: Path, n: int = 96) -> Path:
+    """Prompt/completion rows of varied length, so padding and token-normalised loss matter."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over lazy dog cat story tell me hello".split()
+    rows = []
+    for _ in range(n):
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))
+        completion = " " + " ".join(rng.choice(words) for _ in range(rng.randint(1, 8)))
+        rows.append({"prompt": prompt, "completion": completion})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    return write_tiny_data(tmp_path_factory.mktemp("tiny_data") / "train.jsonl")
+
+
+@pytest.fixture
+def tiny_recipe(tmp_path, tiny_model_dir, tiny_data):
+    """Write a recipe for a tiny run; keyword arguments are dotted overrides merged into it."""
+    import yaml
+
+    def make(**overrides) -> Path:
+        recipe = {
+            "output_dir": str(tmp_path / "run"),
+            "seed": 0,
+            "model": {"name_or_path": str(tiny_model_dir), "random_init": True},
+            "data": {"train": [{"path": str(tiny_data)}], "max_length": 48},
+            "training": {
+                "precision": "fp32",
+                "micro_batch_size": 4,
+                "global_batch_size": 8,
+                "max_steps": 4,
+                "learning_rate": 1e-3,
+                "warmup_steps": 1,
+            },
+            "logging": {"every_n_steps": 1, "progress_bar": False},
+            "checkpoint": {"resume": "none"},
+        }
+        for dotted, value in overrides.items():
+            *parents, last = dotted.split("__")
+            node = recipe
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[last] = value
+        path = tmp_path / "recipe.yaml"
+        path.write_text(yaml.safe_dump(recipe))
+        return path
+
+    return make

@@ -1,0 +1,208 @@
+"""Checkpoints, exact resume, preemption and non-finite losses — with real processes and real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import llmtune.train as train_module
+from llmtune import checkpoint
+from llmtune.cli import main
+from llmtune.recipe import load_recipe
+from llmtune.train import EXIT_PREEMPTED, TrainingError, build, fit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Runs llmtune's entry point with one hook: after the checkpoint of step PAUSE_STEP is complete (or,
+# with PAUSE_IN_WRITE=1, while it is being written) the process sleeps, so the test can SIGKILL it there.
+PAUSING_ENTRY = """
+import os, sys, time
+import accelerate
+from llmtune import checkpoint
+from llmtune.cli import main
+
+pause_step = int(os.environ["PAUSE_STEP"])
+if os.environ.get("PAUSE_IN_WRITE") == "1":
+    save_state = accelerate.Accelerator.save_state
+    def slow_save_state(self, output_dir=None, **kwargs):
+        result = save_state(self, output_dir, **kwargs)
+        if f"step-{pause_step:06d}" in str(output_dir):
+            time.sleep(120)
+        return result
+    accelerate.Accelerator.save_state = slow_save_state
+else:
+    save_checkpoint = checkpoint.save_checkpoint
+    def pausing_save(accelerator, output_dir, step, *args, **kwargs):
+        path = save_checkpoint(accelerator, output_dir, step, *args, **kwargs)
+        if step == pause_step:
+            time.sleep(120)
+        return path
+    checkpoint.save_checkpoint = pausing_save
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    """Per-step losses; a resumed run appends, so the last record of a step wins."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def entry(recipe: Path, *overrides: str) -> list[str]:
+    return [sys.executable, str(ROOT / "scripts" / "finetune.py"), "--recipe", str(recipe), *overrides]
+
+
+def start_and_kill_when(cmd: list[str], ready: Path, env: dict[str, str], timeout: float = 240) -> None:
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        assert proc.poll() is None, f"run ended before {ready} appeared: {proc.stderr.read().decode()[-2000:]}"
+        assert time.monotonic() < deadline, f"{ready} never appeared"
+        time.sleep(0.1)
+    time.sleep(0.5)  # let the writer get well into whatever it is doing
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,rtol", [("fp32", 1e-6), ("bf16", 1e-3)])
+def test_sigkill_after_checkpoint_then_resume_reproduces_losses(tiny_recipe, tmp_path, precision, rtol):
+    recipe = tiny_recipe(training__precision=precision, training__max_steps=8, checkpoint__every_n_steps=2)
+    subprocess.run(entry(recipe, f"output_dir={tmp_path / 'ref'}"), check=True, capture_output=True)
+    reference = losses_by_step(tmp_path / "ref")
+
+    run = tmp_path / "killed"
+    entry_file = tmp_path / "pausing_entry.py"
+    entry_file.write_text(PAUSING_ENTRY)
+    cmd = [sys.executable, str(entry_file), "--recipe", str(recipe), f"output_dir={run}"]
+    start_and_kill_when(cmd, run / "checkpoints" / "step-000004" / checkpoint.STATE_FILE, {"PAUSE_STEP": "4"})
+    assert not (run / "final").exists()
+    subprocess.run(entry(recipe, f"output_dir={run}", "checkpoint.resume=auto"), check=True, capture_output=True)
+
+    resumed = losses_by_step(run)
+    assert sorted(resumed) == list(range(1, 9))
+    for step, loss in reference.items():
+        assert resumed[step] == pytest.approx(loss, rel=rtol), step
+    assert (run / "final" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_sigkill_during_checkpoint_write_leaves_previous_one_resumable(tiny_recipe, tmp_path):
+    recipe = tiny_recipe(training__max_steps=6, checkpoint__every_n_steps=2)
+    run = tmp_path / "run"
+    entry_file = tmp_path / "pausing_entry.py"
+    entry_file.write_text(PAUSING_ENTRY)
+    cmd = [sys.executable, str(entry_file), "--recipe", str(recipe), f"output_dir={run}"]
+    half_written = run / "checkpoints" / ".step-000004.tmp" / "model.safetensors"
+    start_and_kill_when(cmd, half_written, {"PAUSE_STEP": "4", "PAUSE_IN_WRITE": "1"})
+
+    assert [p.name for p in checkpoint.complete_checkpoints(run)] == ["step-000002"]
+    assert checkpoint.resolve_resume(run, "auto").name == "step-000002"
+    proc = subprocess.run(entry(recipe, f"output_dir={run}", "checkpoint.resume=auto"), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resumed from" in proc.stderr and "step-000002" in proc.stderr
+    assert [p.name for p in checkpoint.complete_checkpoints(run)] == ["step-000004", "step-000006"]
+    assert not list((run / "checkpoints").glob(".*.tmp"))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits_75(tiny_recipe, tmp_path):
+    recipe = tiny_recipe(training__max_steps=100_000)
+    run = tmp_path / "run"
+    proc = subprocess.Popen(entry(recipe, f"output_dir={run}"), stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == EXIT_PREEMPTED
+    (saved,) = checkpoint.complete_checkpoints(run)
+    state = json.loads((saved / checkpoint.STATE_FILE).read_text())
+    assert state["step"] == max(losses_by_step(run)) >= 3
+    assert not (run / "final").exists()
+
+
+def test_resume_seeks_to_the_saved_step_without_replaying_batches(tiny_recipe, monkeypatch):
+    recipe = tiny_recipe(checkpoint__every_n_steps=2, checkpoint__keep_last=1)
+    fit(build(load_recipe(recipe)))
+    assert [p.name for p in checkpoint.complete_checkpoints(load_recipe(recipe).output_dir)] == ["step-000004"]
+
+    requested: list[int] = []
+    real = train_module.batch_for_step
+
+    def spy(data, *, step, **kwargs):
+        requested.append(step)
+        return real(data, step=step, **kwargs)
+
+    monkeypatch.setattr(train_module, "batch_for_step", spy)
+    resumed = build(load_recipe(recipe, ["training.max_steps=6", "checkpoint.resume=auto"]))
+    assert resumed.start_step == 4
+    fit(resumed)
+    assert requested == [4, 5]
+
+
+def test_resume_with_changed_model_or_global_batch_is_refused(tiny_recipe, tmp_path, capsys):
+    recipe = tiny_recipe(checkpoint__every_n_steps=2, checkpoint__resume="auto")
+    assert main(["train", "--recipe", str(recipe)]) == 0
+    code = main(
+        [
+            "train",
+            "--recipe",
+            str(recipe),
+            "training.global_batch_size=16",
+            "training.max_steps=6",
+            "model.attn_implementation=eager",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "training.global_batch_size: 8 -> 16" in err and "model.attn_implementation: 'sdpa' -> 'eager'" in err
+    # harmless changes (max_steps, logging) are allowed
+    assert main(["train", "--recipe", str(recipe), "training.max_steps=6", "logging.every_n_steps=3"]) == 0
+
+
+def nan_at(model: torch.nn.Module, calls: set[int]):
+    """Forward hook that turns the loss of the given forward calls (0-based) into NaN."""
+    count = {"n": 0}
+
+    def hook(module, args, kwargs, output):
+        n = count["n"]
+        count["n"] += 1
+        return output * float("nan") if n in calls else output
+
+    return model.register_forward_hook(hook, with_kwargs=True)
+
+
+def test_injected_nonfinite_loss_is_skipped_and_counted(tiny_recipe):
+    run = build(load_recipe(tiny_recipe(training__micro_batch_size=8)))  # one forward per step
+    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    nan_at(run.model, {0})
+    summary = fit(run)
+    assert summary["skipped_steps"] == 1
+    losses = losses_by_step(Path(run.recipe.output_dir))
+    assert losses[1] != losses[1] and all(v == v for s, v in losses.items() if s > 1)  # NaN only at step 1
+    assert any(not torch.equal(before[k], v) for k, v in run.model.state_dict().items())
+
+
+def test_a_run_of_nonfinite_losses_stops_cleanly_keeping_the_checkpoint(tiny_recipe):
+    recipe = load_recipe(
+        tiny_recipe(
+            training__micro_batch_size=8,
+            training__max_steps=10,
+            checkpoint__every_n_steps=2,
+            training__max_nonfinite_steps=3,
+        )
+    )
+    run = build(recipe)
+    nan_at(run.model, {4, 5, 6, 7, 8})
+    with pytest.raises(TrainingError, match="step 7: 3 consecutive non-finite losses"):
+        fit(run)
+    assert [p.name for p in checkpoint.complete_checkpoints(recipe.output_dir)][-1] == "step-000004"
