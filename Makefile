@@ -19,8 +19,11 @@ $(VENV_OK): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(VENV_OK)
 
+# The demo starts from scratch each time, then scores exact-match answers on the held-out questions.
 train: install
+	rm -rf runs/quickstart
 	$(PY) scripts/finetune.py --recipe recipes/quickstart.yaml $(ARGS)
+	$(PY) scripts/eval_accuracy.py --model runs/quickstart/final --data assets/quickstart/eval.jsonl
 
 test: install
 	$(PY) -m pytest -q $(ARGS)

@@ -82,9 +82,11 @@ class MetricsLogger:
         self.acc = accelerator
         self.every = recipe.logging.every_n_steps
         self.main = accelerator.is_main_process
-        self._tokens = 0
-        self._seconds = 0.0
-        self._file = open(output_dir / "metrics.jsonl", "a") if self.main else None  # noqa: SIM115
+        self._steady = [0, 0.0]  # trained tokens, seconds
+        self._other = [0, 0.0]
+        # A resumed run appends (its earlier steps stay); a fresh one starts the file over.
+        mode = "a" if start_step else "w"
+        self._file = open(output_dir / "metrics.jsonl", mode) if self.main else None  # noqa: SIM115
         self._bar = tqdm(
             total=total_steps,
             initial=start_step,
@@ -102,9 +104,12 @@ class MetricsLogger:
                 },
             )
 
-    def log_step(self, step: int, **values: float) -> None:
-        self._tokens += values["trained_tokens"]
-        self._seconds += values["seconds"]
+    def log_step(self, step: int, *, memory_tracked: bool, **values: float) -> None:
+        # Throughput for the summary leaves out warm-up (steps 1-2) and CPU steps slowed by memory counting.
+        steady = step > 2 and not (memory_tracked and self.acc.device.type == "cpu")
+        pool = self._steady if steady else self._other
+        pool[0] += values["trained_tokens"]
+        pool[1] += values["seconds"]
         record = {"step": step, **values}
         self._write(record)
         self._bar.update(1)
@@ -129,7 +134,9 @@ class MetricsLogger:
         self.acc.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
 
     def tokens_per_s(self) -> float:
-        return self._tokens / self._seconds if self._seconds else 0.0
+        """Steady-state trained tokens per second (see log_step); all steps when none qualified (short runs)."""
+        tokens, seconds = self._steady if self._steady[1] else self._other
+        return tokens / seconds if seconds else 0.0
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
         self._bar.close()

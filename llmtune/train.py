@@ -22,12 +22,13 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 
 from llmtune import checkpoint
 from llmtune.data import PreparedData, batch_for_step, collate, eval_batches, prepare_data
 from llmtune.loss import CausalLMWithLoss, resolve_loss_impl
 from llmtune.memory.measure import PeakMemoryTracker
+from llmtune.memory.plan import estimate_settings, plan_for_budget, resolve_budget
 from llmtune.metrics import MetricsLogger, check_trackers, flops_per_token, measure_peak_flops
 from llmtune.model import (
     check_requirements,
@@ -95,20 +96,34 @@ class BatchPlan:
         return asdict(self)
 
 
-def make_plan(recipe: Recipe, num_processes: int) -> BatchPlan:
-    t = recipe.training
-    per_process, rest = divmod(t.global_batch_size, num_processes)
+def make_plan(recipe: Recipe, config: Any, precision: str, loss_impl: str, acc: Accelerator) -> BatchPlan:
+    """The recipe's micro-batch, or (`auto`) the largest the memory estimate fits into the budget."""
+    t, n = recipe.training, acc.num_processes
+    per_process, rest = divmod(t.global_batch_size, n)
     if rest:
-        raise PlanError(
-            f"training.global_batch_size={t.global_batch_size} is not divisible by the {num_processes} processes"
-        )
-    micro = t.micro_batch_size
-    if per_process % micro:
-        raise PlanError(
-            f"training.global_batch_size={t.global_batch_size} = {num_processes} processes x {per_process} per"
-            f" process, which training.micro_batch_size={micro} does not divide"
-        )
-    return BatchPlan(micro, per_process // micro, num_processes, "recipe")
+        raise PlanError(f"training.global_batch_size={t.global_batch_size} is not divisible by the {n} processes")
+    if t.micro_batch_size != "auto":
+        if per_process % t.micro_batch_size:
+            raise PlanError(
+                f"training.global_batch_size={t.global_batch_size} = {n} processes x {per_process} per"
+                f" process, which training.micro_batch_size={t.micro_batch_size} does not divide"
+            )
+        return BatchPlan(t.micro_batch_size, per_process // t.micro_batch_size, n, "recipe")
+    budget = resolve_budget(recipe.memory.budget, acc.device)
+    # Free memory can differ between devices; every process must train the same micro-batch.
+    budget = int(acc.gather(torch.tensor([budget], device=acc.device)).min())
+    device = "cuda" if acc.device.type == "cuda" else "cpu"
+    settings = estimate_settings(recipe, loss=loss_impl, device=device, sharding=sharding_of(acc), precision=precision)
+    plan = plan_for_budget(recipe, config, settings, budget_bytes=budget, num_processes=n)
+    return BatchPlan(plan.micro_batch_size, plan.grad_accum_steps, n, "planner", plan.predicted_peak_bytes, budget)
+
+
+def sharding_of(acc: Accelerator) -> str:
+    if acc.distributed_type == DistributedType.FSDP:
+        return "fsdp"
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        return {2: "zero2", 3: "zero3"}.get(acc.state.deepspeed_plugin.zero_stage, "none")
+    return "none"
 
 
 def shrink_plan(plan: BatchPlan, per_process: int) -> BatchPlan:
@@ -166,7 +181,7 @@ def build(recipe: Recipe) -> Run:
     config = load_config(recipe.model)
     model = load_model(recipe, precision)
     loss_impl = resolve_loss_impl(recipe.training.loss, config)
-    plan = make_plan(recipe, accelerator.num_processes)
+    plan = make_plan(recipe, config, precision, loss_impl, accelerator)
     wrapped = CausalLMWithLoss(model, loss_impl)
     if recipe.training.compile:
         wrapped = torch.compile(wrapped)
@@ -233,6 +248,12 @@ def resume(run: Run) -> None:
     r, acc = run.recipe, run.accelerator
     path = checkpoint.resolve_resume(r.output_dir, r.checkpoint.resume)
     if path is None:
+        if r.checkpoint.resume == "none" and checkpoint.complete_checkpoints(r.output_dir):
+            # Starting over here would prune the earlier run's checkpoints as if they were ours.
+            raise checkpoint.ResumeError(
+                f"{r.output_dir} already holds checkpoints of an earlier run and checkpoint.resume=none: set"
+                " checkpoint.resume=auto to continue it, or use another output_dir (or delete this one)"
+            )
         return
     breaking, harmless = checkpoint.continuity_problems(checkpoint.saved_recipe(path), r.to_dict())
     if breaking:
@@ -302,6 +323,7 @@ def fit(run: Run) -> dict[str, Any]:
         (out / "recipe.yaml").write_text(dump_recipe(r))
     metrics = MetricsLogger(acc, out, r, total_steps=r.training.max_steps, start_step=run.start_step)
     nonfinite = 0
+    eval_loss = None
     steady_peak = 0  # the first optimizer step is lower: AdamW states appear during it
     step = run.start_step
     started = time.perf_counter()
@@ -347,6 +369,11 @@ def fit(run: Run) -> dict[str, Any]:
             peak = tracker.peak_bytes if measured else None
             if step > 1 and peak:
                 steady_peak = max(steady_peak, peak)
+                over_budget = run.plan.budget_bytes is not None and peak > run.plan.budget_bytes
+                if step == 2 and bool(acc.reduce(torch.tensor(int(over_budget), device=acc.device), "sum")):
+                    # The estimate missed; don't wait for an out-of-memory error to find out.
+                    run.plan = shrink_plan(run.plan, len(examples))
+                    log.warning("measured peak above the budget: micro-batch now %d", run.plan.micro_batch_size)
             seconds = time.perf_counter() - t0
             metrics.log_step(
                 step,
@@ -360,13 +387,12 @@ def fit(run: Run) -> dict[str, Any]:
                 peak_memory_bytes=peak,
                 skipped_steps=run.counters["skipped_steps"],
                 micro_batch_size=run.plan.micro_batch_size,
+                memory_tracked=measured,
             )
-            if (
-                run.data.eval is not None
-                and r.training.eval_every_n_steps
-                and step % r.training.eval_every_n_steps == 0
-            ):
-                metrics.log_eval(step, evaluate(run))
+            eval_now = r.training.eval_every_n_steps and step % r.training.eval_every_n_steps == 0
+            if run.data.eval is not None and (eval_now or step == r.training.max_steps):
+                eval_loss = evaluate(run)
+                metrics.log_eval(step, eval_loss)
             stop = preemption_requested(acc, preemption)
             # A step whose loss was non-finite is not checkpointed: the last good checkpoint stays newest.
             periodic = r.checkpoint.every_n_steps and step % r.checkpoint.every_n_steps == 0 and not nonfinite
@@ -375,9 +401,6 @@ def fit(run: Run) -> dict[str, Any]:
             if stop:
                 metrics.close()
                 return {"preempted_at_step": step}
-    eval_loss = evaluate(run) if run.data.eval is not None else None
-    if eval_loss is not None:
-        metrics.log_eval(step, eval_loss)
     save_base = r.model.random_init and r.peft.method != "none"
     final = checkpoint.save_final(acc, model, run.tokenizer, out, save_base=save_base)
     summary = run_summary(run, metrics, steady_peak, time.perf_counter() - started, step, eval_loss, final)

@@ -206,3 +206,10 @@ def test_a_run_of_nonfinite_losses_stops_cleanly_keeping_the_checkpoint(tiny_rec
     with pytest.raises(TrainingError, match="step 7: 3 consecutive non-finite losses"):
         fit(run)
     assert [p.name for p in checkpoint.complete_checkpoints(recipe.output_dir)][-1] == "step-000004"
+
+
+def test_a_fresh_start_refuses_to_overwrite_an_earlier_runs_checkpoints(tiny_recipe, capsys):
+    recipe = tiny_recipe(checkpoint__every_n_steps=2)
+    assert main(["train", "--recipe", str(recipe)]) == 0
+    assert main(["train", "--recipe", str(recipe)]) == 2
+    assert "already holds checkpoints of an earlier run" in capsys.readouterr().err

@@ -99,3 +99,52 @@ def test_checkpointing_lowers_measured_peak_memory(tiny_recipe, tmp_path):
         assert main(["train", "--recipe", str(recipe)]) == 0
         peaks[checkpointing] = json.loads((out / "run_summary.json").read_text())["peak_memory_bytes"]
     assert peaks[True] < 0.8 * peaks[False], peaks
+
+
+def test_auto_micro_batch_fits_the_budget_and_keeps_the_global_batch(tiny_recipe, tiny_model_dir):
+    from transformers import AutoConfig
+
+    from llmtune.memory.estimate import estimate
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    settings = dict(seq_len=48, precision="fp32", gradient_checkpointing=False, loss="chunked", device="cpu")
+    at = {m: estimate(config, micro_batch_size=m, grad_accum_steps=8 // m, **settings).peak_bytes for m in (2, 4)}
+    budget = (at[2] + at[4]) // 2  # 2 fits, 4 does not
+    recipe = tiny_recipe(training__micro_batch_size="auto", memory__budget=str(budget), training__loss="chunked")
+    run = build(load_recipe(recipe))
+    assert (run.plan.micro_batch_size, run.plan.grad_accum_steps, run.plan.source) == (2, 4, "planner")
+    summary = fit(run)
+    assert summary["memory_plan"]["predicted_peak_bytes"] == at[2]
+    assert summary["memory_plan"]["budget_bytes"] == budget
+    # Real rows are shorter than max_length, which the plan assumes: the measured peak stays inside.
+    assert 0 < summary["peak_memory_bytes"] <= budget
+
+
+def test_impossible_budget_is_a_clear_error(tiny_recipe, capsys):
+    recipe = tiny_recipe(training__micro_batch_size="auto", memory__budget="1MiB")
+    assert main(["train", "--recipe", str(recipe)]) == 2
+    assert "micro-batch 1 x 48 tokens is predicted to peak at" in capsys.readouterr().err
+
+
+def test_out_of_memory_halves_the_micro_batch_and_continues_the_same_step(tiny_recipe, tmp_path):
+    recipe = tiny_recipe(training__max_steps=4)
+    run = build(load_recipe(recipe))
+    calls = {"n": 0}
+
+    def fail_big_batches_from_step_2(module, args, kwargs):
+        calls["n"] += 1
+        if calls["n"] > 2 and kwargs["input_ids"].shape[0] > 2:  # step 1 ran 2 micro-batches of 4
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+    run.model.register_forward_pre_hook(fail_big_batches_from_step_2, with_kwargs=True)
+    summary = fit(run)
+    assert (summary["micro_batch_size"], summary["grad_accum_steps"]) == (2, 4)
+    assert summary["memory_plan"]["source"] == "planner, shrunk after out-of-memory"
+    records = read_metrics(Path(run.recipe.output_dir))
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert [r["micro_batch_size"] for r in records if "loss" in r] == [4, 2, 2, 2]
+    # Same updates as a run that used micro-batch 2 from the start: nothing was lost or repeated.
+    reference = build(load_recipe(recipe, ["training.micro_batch_size=2", f"output_dir={tmp_path / 'ref'}"]))
+    fit(reference)
+    ref = [r["loss"] for r in read_metrics(tmp_path / "ref") if "loss" in r]
+    assert [r["loss"] for r in records if "loss" in r] == pytest.approx(ref, rel=1e-5)

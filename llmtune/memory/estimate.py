@@ -1,0 +1,599 @@
+"""Estimate the peak memory of one steady-state training step, without allocating anything.
+
+How: the model is built from its config under `FakeTensorMode` (tensors with shapes, dtypes and
+storages but no data) and one real training step runs on it -- forward, loss, backward,
+optimizer step -- while a `LiveStorageCounter` follows every storage. Since the fake tensors go
+through the same autograd, autocast and ATen kernels as real ones, the trace keeps exactly what
+a real CPU step keeps (saved activations, autocast weight copies, fp32 logits, AdamW temporaries)
+for any architecture transformers can build, with no per-architecture formula. Measured against
+real CPU steps it is exact to the byte in most cases (see benchmarks/results/). Deep models are
+traced at 2 and 3 layers (times the layer-kind period) and extrapolated: every segment's peak is
+affine in the layer count, so this matches a full trace exactly and a 70B config takes ~1-4 s.
+
+Assumptions about the loop: no padding mask (packed or full rows), the loop keeps only the loss
+(not `outputs.logits`) through backward, `zero_grad(set_to_none=True)` after the step. The
+chunked loss is `llmtune.loss.chunked_cross_entropy`, with every token assumed trained (fake
+tensors cannot see which labels are masked; this is the upper bound).
+
+What is modelled rather than traced:
+- `device="cuda"`: the trace runs CPU kernels (fake CUDA tensors fail in autograd on a CPU-only
+  build). We round every storage to the CUDA caching allocator's 512-byte blocks and use the CUDA
+  default AdamW (foreach: one state-sized temporary at step). SDPA on CPU uses the flash kernel,
+  which keeps the same output + fp32 logsumexp as CUDA flash / memory-efficient attention.
+  Not counted: the CUDA context (0.3-2 GiB), cuBLAS workspace, NCCL buffers and allocator
+  fragmentation -- all outside `torch.cuda.max_memory_allocated`; `plan.default_budget` keeps a
+  margin for them.
+- sharding and data parallelism: the counter scales sharded tags by 1/num_processes and adds
+  the buffers the wrapper would hold (see `_sharding_plan`).
+- `optimizer="adamw_8bit"` (bitsandbytes is not a dependency): traced as per-tensor AdamW with
+  states counted at 2 bytes/param instead of 8.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from llmtune.memory.measure import LiveStorageCounter
+from llmtune.model import enable_gradient_checkpointing
+
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
+OPTIMIZERS = ("adamw", "adamw_fused", "adamw_foreach", "adamw_8bit", "sgd")
+LOSSES = ("hf", "chunked")
+SHARDINGS = ("none", "fsdp", "zero2", "zero3")
+DEVICES = ("cuda", "cpu")
+PHASES = ("forward", "backward", "optimizer_step")
+
+_CUDA_BLOCK = 512  # bytes; the CUDA caching allocator rounds every block up to this
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA adapters as peft builds them; base weights are frozen."""
+
+    rank: int = 8
+    target_modules: tuple[str, ...] | str = "all-linear"
+    dropout: bool = False  # True: peft keeps a dropout mask-sized copy of each adapter input
+    alpha: int = 16
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted steady-state peak of one training micro-step (the one that runs the optimizer).
+
+    `breakdown` splits `peak_bytes` into what was live at the peak moment (sums to
+    `peak_bytes`): weights, gradients, optimizer_states, autocast_weight_copies, activations
+    (kept for backward, incl. checkpoint inputs), logits_and_loss (lm head output, fp32 upcast,
+    their gradients), backward_temporaries (activation gradients, recomputation),
+    optimizer_step_temporaries, sharding_buffers, inputs, other.
+    `totals` gives full sizes of the model states whatever the peak moment.
+    """
+
+    breakdown: dict[str, int]
+    peak_bytes: int
+    peak_phase: str
+    totals: dict[str, int] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["peak"] = format_bytes(self.peak_bytes)
+        return d
+
+
+# ---------------------------------------------------------------------------------------------
+# byte helpers
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'20GiB' -> 21474836480; '1.5GB' -> 1500000000; ints pass through."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse a byte size from {text!r} (e.g. '20GiB', '512MB')")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: int | float) -> str:
+    """Binary units, 3 significant digits: 1536 -> '1.50 KiB'."""
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------------------------
+# the traced step
+
+
+def _validate(precision: str, optimizer: str, loss: str, sharding: str, device: str) -> None:
+    for name, value, allowed in (
+        ("precision", precision, PRECISIONS),
+        ("optimizer", optimizer, OPTIMIZERS),
+        ("loss", loss, LOSSES),
+        ("sharding", sharding, SHARDINGS),
+        ("device", device, DEVICES),
+    ):
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r}; expected one of {allowed}")
+
+
+def _build_model(config: Any, precision: str, attn_implementation: str, lora: LoraSpec | None):
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(config)
+    cfg.use_cache = False
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    # Full init on fake tensors costs nothing real and keeps what init does beyond values
+    # (tying the lm head to the embedding).
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        target = lora.target_modules
+        # peft moves each new adapter to its base layer's device with Module.to(), which on fake
+        # parameters takes the swap_tensors path and fails. Everything is already on the (fake)
+        # CPU, and adapters stay fp32 as peft's autocast_adapter_dtype=True leaves them.
+        move = torch.nn.Module.to
+        torch.nn.Module.to = lambda self, *a, **k: self
+        try:
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=lora.rank,
+                    lora_alpha=lora.alpha,
+                    target_modules=target if isinstance(target, str) else list(target),
+                    lora_dropout=0.1 if lora.dropout else 0.0,
+                    task_type="CAUSAL_LM",
+                ),
+            )
+        finally:
+            torch.nn.Module.to = move
+    return model
+
+
+def _build_optimizer(params: list[torch.nn.Parameter], optimizer: str, device: str):
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-3)
+    if optimizer == "adamw_fused":
+        return torch.optim.AdamW(params, lr=1e-3, fused=True)
+    if optimizer == "adamw_foreach":
+        return torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    if optimizer == "adamw_8bit":
+        # bitsandbytes updates one tensor at a time, like the for-loop implementation.
+        return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    # torch's own default for the target device: foreach on CUDA, the per-tensor loop on CPU.
+    return torch.optim.AdamW(params, lr=1e-3, foreach=(device == "cuda"))
+
+
+def _chunked_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The chunked loss as llmtune's training loop calls it (`llmtune.loss.CausalLMWithLoss`), so the
+    trace keeps what that implementation keeps; a checkpointed reference if it is not importable."""
+    shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    try:
+        from llmtune.loss import chunked_cross_entropy
+    except ImportError:
+        return _reference_chunked_ce(flat, head.weight, shift_labels, chunk)
+    return chunked_cross_entropy(flat, head.weight, shift_labels, bias=head.bias, chunk_size=chunk)
+
+
+def _reference_chunked_ce(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Chunked cross-entropy with per-chunk recompute: nothing of size N*V is kept."""
+
+    def piece(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = torch.nn.functional.linear(h, w).float()
+        return torch.nn.functional.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
+
+    total = h.new_zeros((), dtype=torch.float32)
+    for start in range(0, h.shape[0], chunk):
+        end = start + chunk
+        total = total + checkpoint(piece, h[start:end], weight, y[start:end], use_reentrant=False)
+    return total
+
+
+@dataclass
+class _Sharding:
+    scale: dict[str, float]
+    fwd_bwd_extra: int  # bytes held during forward/backward only
+    bwd_extra: int  # more bytes during backward only
+    always_extra: int  # bytes held the whole step
+
+
+def _sharding_plan(
+    sharding: str,
+    num_processes: int,
+    layer_bytes: int,
+    layer_grad_bytes: int,
+    grad_bytes: int,
+    ddp_bucket_view: bool,
+) -> _Sharding:
+    w = max(1, num_processes)
+    if sharding == "none":
+        # DDP allocates its gradient buckets (a second copy of all grads) at wrap time, unless
+        # gradient_as_bucket_view=True makes .grad a view into them. One process: no DDP.
+        extra = grad_bytes if (w > 1 and not ddp_bucket_view) else 0
+        return _Sharding({}, 0, 0, extra)
+    # The optimizer runs on each process's shard only, so its temporaries shrink too.
+    states = {"gradients": 1 / w, "optimizer_states": 1 / w, "optimizer_step_temporaries": 1 / w}
+    if sharding == "zero2":
+        # Weights replicated; grads reduce-scattered into shards; bucket buffers not modelled.
+        return _Sharding(states, 0, 0, 0)
+    # fsdp (FSDP2 full shard) and zero3: parameters sharded too; while a layer runs, its
+    # parameters are all-gathered and the next layer's are prefetched (2 layers), and in backward
+    # one layer's unsharded gradients wait for the reduce-scatter.
+    return _Sharding({**states, "weights": 1 / w}, 2 * layer_bytes, layer_grad_bytes, 0)
+
+
+@contextmanager
+def _unpacked_rows() -> Iterator[None]:
+    """Tell transformers' mask builder the rows are not packed, as it finds out itself on real
+    tensors. On fake tensors it cannot look at position ids, assumes packing and materialises a
+    (batch, 1, seq, seq) mask -- which also turns off SDPA's causal fast path and native GQA."""
+    import transformers.masking_utils as mu
+
+    original = mu.find_packed_sequence_indices
+    mu.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = original
+
+
+@contextmanager
+def _hooks(handles: list[Any]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@dataclass(frozen=True)
+class _Settings:
+    micro_batch_size: int
+    seq_len: int
+    precision: str
+    gradient_checkpointing: bool
+    attn_implementation: str
+    optimizer: str
+    loss: str
+    chunk_size: int
+    lora: LoraSpec | None
+    num_processes: int
+    sharding: str
+    device: str
+    grad_accum_steps: int
+    ddp_bucket_view: bool
+
+
+@dataclass
+class _SegmentPeak:
+    bytes: int
+    by_tag: dict[str, int]
+    phase: str
+
+
+class _TraceCounter(LiveStorageCounter):
+    """Counter that recognises autocast's casts of weights and keeps the peak of each segment
+    of the step (embedding, each layer's forward and backward, head and loss, optimizer step),
+    so that a trace of a few layers can be extrapolated to many."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.segment: str | None = None
+        self.segments: dict[str, _SegmentPeak] = {}
+
+    def set_segment(self, name: str) -> None:
+        self.segment = name
+        self._check()
+
+    def _check(self) -> None:
+        super()._check()
+        if self.segment is None:
+            return
+        now = self.live_bytes + self.extra_bytes
+        seg = self.segments.get(self.segment)
+        if seg is None or now > seg.bytes:
+            by_tag = {k: int(round(v)) for k, v in self._by_tag.items() if v > 0.5}
+            if self.extra_bytes:
+                by_tag["sharding_buffers"] = int(self.extra_bytes)
+            self.segments[self.segment] = _SegmentPeak(int(round(now)), by_tag, self.phase)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.nonzero.default:
+            # Data-dependent size (a loss selecting trained rows): fake tensors cannot know it, so
+            # assume every element is selected -- every token trained, the upper bound.
+            out = torch.empty((args[0].numel(), args[0].dim()), dtype=torch.long)
+            self.register(out)
+            return out
+        if func is torch.ops.aten._to_copy.default and self.tag_of(args[0]) == "weights":
+            saved, self.tag = self.tag, "autocast_weight_copies"
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self.tag = saved
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's stack of decoder layers: its longest ModuleList."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return max(lists, key=len, default=None)
+
+
+def _layer_period(config: Any) -> int:
+    """Length of the repeating unit of layer kinds (Gemma2 alternates sliding/full: 2)."""
+    kinds = list(getattr(config, "layer_types", None) or [])
+    for p in range(1, len(kinds) + 1):
+        if all(kinds[i] == kinds[i % p] for i in range(len(kinds))):
+            return p
+    return 1
+
+
+def _with_layers(config: Any, n: int) -> Any:
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = n
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(cfg.layer_types)[:n]
+    return cfg
+
+
+@dataclass
+class _Trace:
+    segments: dict[str, _SegmentPeak]
+    totals: dict[str, int]
+
+
+def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
+    """Run one steady-state training step of `config` on fake tensors and record segment peaks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), _unpacked_rows():
+        model = _build_model(config, s.precision, s.attn_implementation, s.lora)
+        if s.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        model.train()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        opt = _build_optimizer(trainable, s.optimizer, s.device)
+        # Steady state: AdamW creates its states at the first step(), so make them exist now
+        # (zero grads + one untracked step) instead of tracing a whole first step.
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=s.grad_accum_steps == 1)
+
+        layers = _decoder_layers(model)
+        nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
+        layer_bytes = max((nbytes(m.parameters()) for m in layers or []), default=0)
+        layer_grad_bytes = max((nbytes(p for p in m.parameters() if p.requires_grad) for m in layers or []), default=0)
+        grad_bytes = nbytes(trainable)
+        plan = _sharding_plan(s.sharding, s.num_processes, layer_bytes, layer_grad_bytes, grad_bytes, s.ddp_bucket_view)
+        state_tensors = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+        totals = {
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "trainable_parameters": sum(p.numel() for p in trainable),
+            "weights": nbytes(model.parameters()),
+            "gradients": grad_bytes,
+            "optimizer_states": nbytes(state_tensors),
+        }
+
+        counter = _TraceCounter(round_to=_CUDA_BLOCK if s.device == "cuda" else 1)
+        for tag, factor in plan.scale.items():
+            counter.set_scale(tag, factor)
+        if s.optimizer == "adamw_8bit":
+            state_scale = plan.scale.get("optimizer_states", 1.0)
+            counter.set_scale("optimizer_states", 0.25 * state_scale)  # 2 bytes/param, not 8
+            totals["optimizer_states"] //= 4
+        for p in model.parameters():
+            counter.register(p, "weights")
+            if p.grad is not None:
+                counter.register(p.grad, "gradients")
+        for b in model.buffers():
+            counter.register(b, "weights")
+        for v in state_tensors:
+            counter.register(v, "optimizer_states")
+        input_ids = torch.zeros(s.micro_batch_size, s.seq_len, dtype=torch.long)
+        labels = torch.zeros(s.micro_batch_size, s.seq_len, dtype=torch.long)
+        counter.register(input_ids, "inputs")
+        counter.register(labels, "inputs")
+
+        def block_name(i: int) -> str:
+            block, last = i // period, (len(layers) - 1) // period
+            return "first" if block == 0 else "last" if block == last else "mid"
+
+        def on_grad(p: torch.Tensor) -> None:
+            counter.retag(p.grad, "gradients")
+
+        def on_hidden_grad(_g: torch.Tensor) -> None:
+            counter.tag = "backward_temporaries"
+
+        def lm_head_pre(_module: torch.nn.Module, args: tuple) -> None:
+            counter.tag = "logits_and_loss"
+            counter.set_segment("head")
+            if args and torch.is_tensor(args[0]) and args[0].requires_grad:
+                args[0].register_hook(on_hidden_grad)
+
+        def layer_hooks(i: int, layer: torch.nn.Module) -> list[Any]:
+            def pre(_m: torch.nn.Module, _args: tuple) -> None:
+                if counter.phase == "forward":
+                    counter.set_segment(f"fwd_{block_name(i)}")
+
+            def post(_m: torch.nn.Module, _args: tuple, out: Any) -> None:
+                hidden = out[0] if isinstance(out, tuple) else out
+                if counter.phase == "forward" and torch.is_tensor(hidden) and hidden.requires_grad:
+                    # Fires when backward reaches this layer (its output's gradient is ready).
+                    hidden.register_hook(lambda _g: counter.set_segment(f"bwd_{block_name(i)}"))
+
+            return [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
+
+        handles = [p.register_post_accumulate_grad_hook(on_grad) for p in trainable]
+        handles.append(model.get_output_embeddings().register_forward_pre_hook(lm_head_pre))
+        for i, layer in enumerate(layers or []):
+            handles += layer_hooks(i, layer)
+
+        autocast = (
+            torch.autocast("cpu", dtype=torch.bfloat16 if s.precision == "bf16" else torch.float16)
+            if s.precision in ("bf16", "fp16")
+            else nullcontext()
+        )
+        with _hooks(handles), counter:
+            counter.phase, counter.tag = "forward", "activations"
+            counter.extra_bytes = plan.always_extra + plan.fwd_bwd_extra
+            counter.set_segment("pre")
+            with autocast:
+                if s.loss == "hf":
+                    # Only the loss is kept: the loop must not hold `outputs` (the logits)
+                    # through backward.
+                    step_loss = model(input_ids=input_ids, labels=labels).loss
+                else:
+                    base = model.get_base_model() if s.lora is not None else model
+                    hidden = base.get_decoder()(input_ids=input_ids).last_hidden_state
+                    counter.tag = "logits_and_loss"
+                    counter.set_segment("head")
+                    if hidden.requires_grad:
+                        hidden.register_hook(on_hidden_grad)
+                    head = base.get_output_embeddings()
+                    step_loss = _chunked_loss(hidden, head, labels, s.chunk_size)
+                    hidden = None
+                if s.precision == "fp16":
+                    step_loss = step_loss * 65536.0  # GradScaler's scaled loss: a scalar
+            counter.phase = "backward"
+            counter.extra_bytes = plan.always_extra + plan.fwd_bwd_extra + plan.bwd_extra
+            counter.set_segment("loss_bwd")
+            step_loss.backward()
+            del step_loss
+            counter.phase, counter.tag = "optimizer_step", "optimizer_step_temporaries"
+            counter.extra_bytes = plan.always_extra
+            counter.set_segment("step")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return _Trace(counter.segments, totals)
+
+
+def _extrapolate(a: _Trace, la: int, b: _Trace, lb: int, layers: int) -> _Trace:
+    """Every segment's peak is affine in the layer count (each layer adds the same weights,
+    states and kept activations), so two traces fix it. Middle layers are skipped: their
+    peaks lie between the first and last layer's."""
+
+    def line(x: float, y: float) -> int:
+        return int(round(x + (y - x) * (layers - la) / (lb - la)))
+
+    segments = {}
+    for name in a.segments.keys() & b.segments.keys():
+        if name.endswith("_mid"):
+            continue
+        sa, sb = a.segments[name], b.segments[name]
+        tags = sa.by_tag.keys() | sb.by_tag.keys()
+        by_tag = {t: line(sa.by_tag.get(t, 0), sb.by_tag.get(t, 0)) for t in tags}
+        segments[name] = _SegmentPeak(line(sa.bytes, sb.bytes), by_tag, sa.phase)
+    totals = {k: line(a.totals[k], b.totals[k]) for k in a.totals}
+    return _Trace(segments, totals)
+
+
+def estimate(
+    config: Any,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str,
+    gradient_checkpointing: bool,
+    attn_implementation: str = "sdpa",
+    optimizer: str = "adamw",
+    loss: str = "hf",
+    chunk_size: int = 1024,
+    lora: LoraSpec | None = None,
+    num_processes: int = 1,
+    sharding: str = "none",
+    device: str = "cuda",
+    grad_accum_steps: int = 1,
+    ddp_bucket_view: bool = False,
+    max_traced_layers: int = 4,
+) -> MemoryEstimate:
+    """Peak bytes of a steady-state training micro-step of `config` on one process.
+
+    The step: forward on `micro_batch_size` x `seq_len` tokens (no padding mask, only the loss
+    kept), backward, optimizer step, `zero_grad(set_to_none=True)`. With `grad_accum_steps > 1`
+    the previous micro-steps' gradients are alive during forward and backward.
+    `num_processes`/`sharding` divide the sharded states; `"none"` with several processes is
+    DDP with its gradient buckets unless `ddp_bucket_view` (gradient_as_bucket_view=True).
+    Models with more than `max_traced_layers` layers (in units of the layer-kind period) are
+    traced at 2 and 3 periods and extrapolated linearly in the layer count.
+    """
+    _validate(precision, optimizer, loss, sharding, device)
+    if micro_batch_size < 1 or seq_len < 2:
+        raise ValueError("micro_batch_size must be >= 1 and seq_len >= 2")
+    s = _Settings(
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        precision=precision,
+        gradient_checkpointing=gradient_checkpointing,
+        attn_implementation=attn_implementation,
+        optimizer=optimizer,
+        loss=loss,
+        chunk_size=chunk_size,
+        lora=lora,
+        num_processes=num_processes,
+        sharding=sharding,
+        device=device,
+        grad_accum_steps=grad_accum_steps,
+        ddp_bucket_view=ddp_bucket_view,
+    )
+    layers = int(config.num_hidden_layers)
+    period = _layer_period(config)
+    if layers <= max_traced_layers * period or layers % period:
+        trace = _trace_step(config, s, period)
+        traced = [layers]
+    else:
+        la, lb = 2 * period, 3 * period
+        a = _trace_step(_with_layers(config, la), s, period)
+        b = _trace_step(_with_layers(config, lb), s, period)
+        trace = _extrapolate(a, la, b, lb, layers)
+        traced = [la, lb]
+
+    name, top = max(trace.segments.items(), key=lambda kv: kv[1].bytes)
+    breakdown = dict(sorted(top.by_tag.items(), key=lambda kv: -kv[1]))
+    drift = top.bytes - sum(breakdown.values())  # rounding of scaled tags; keep parts summing up
+    if drift and breakdown:
+        breakdown[next(iter(breakdown))] += drift
+    settings = asdict(s)
+    settings["traced_layers"] = traced
+    settings["peak_segment"] = name
+    return MemoryEstimate(
+        breakdown=breakdown,
+        peak_bytes=top.bytes,
+        peak_phase=top.phase,
+        totals=trace.totals,
+        settings=settings,
+    )
+
+
+__all__ = ["LoraSpec", "MemoryEstimate", "estimate", "format_bytes", "parse_bytes"]

@@ -1,0 +1,257 @@
+"""Charts a person reads at a glance: a run's curves (`llmtune plot`) and a bench's bars (`llmtune bench`).
+
+matplotlib is optional (`pip install 'llmtune[plot]'`): it is imported only when a chart is drawn, with
+the Agg backend (files only, no display needed), and its absence is a `PlotDependencyError` that says
+what to install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+CURVES_FILE = "curves.png"
+
+
+class PlotError(ValueError):
+    """Nothing to plot (no metrics.jsonl, no steps)."""
+
+
+class PlotDependencyError(PlotError):
+    """matplotlib is not installed."""
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotDependencyError(
+            "plotting needs matplotlib, which is not installed: pip install matplotlib (or pip install 'llmtune[plot]')"
+        ) from None
+    matplotlib.use("Agg")  # files only; a display backend would fail on a headless machine
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# ---------------------------------------------------------------- a run's curves
+
+
+def read_metrics(output_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(step records, eval records) from output_dir/metrics.jsonl.
+
+    A resumed run appends to the same file and logs again the steps after its checkpoint; the last record
+    of a step wins, so the curves show the run that produced the final model.
+    """
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise PlotError(f"{path}: not found (is {output_dir} a run's output_dir?)")
+    steps: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise PlotError(f"{path}:{n}: not a JSON line") from None
+        if "eval_loss" in record:
+            evals[record["step"]] = record
+        elif "loss" in record:
+            steps[record["step"]] = record
+    if not steps:
+        raise PlotError(f"{path}: no training steps logged yet")
+    return [steps[s] for s in sorted(steps)], [evals[s] for s in sorted(evals)]
+
+
+def _series(records: list[dict], key: str, scale: float = 1.0) -> tuple[list[int], list[float]]:
+    """Steps and values where `key` was logged as a finite number (peak memory is logged on some steps only)."""
+    pairs = [
+        (r["step"], r[key] * scale) for r in records if isinstance(r.get(key), int | float) and math.isfinite(r[key])
+    ]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def plot_run(output_dir: Path) -> list[Path]:
+    """Draw loss (with eval loss), learning rate, grad norm, tokens/s, MFU and peak memory against the step
+    into one multi-panel `output_dir/curves.png`; returns the files written."""
+    output_dir = Path(output_dir)
+    steps, evals = read_metrics(output_dir)
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
+    (ax_loss, ax_lr, ax_grad), (ax_tok, ax_mfu, ax_mem) = axes
+
+    x, y = _series(steps, "loss")
+    ax_loss.plot(x, y, label="train loss (per trained token)", color="tab:blue")
+    ex, ey = _series(evals, "eval_loss")
+    if ex:
+        ax_loss.plot(ex, ey, "o-", label="eval loss", color="tab:orange")
+    ax_loss.set_title("loss")
+    ax_loss.legend()
+
+    for ax, key, title, scale, color in (
+        (ax_lr, "lr", "learning rate", 1.0, "tab:green"),
+        (ax_grad, "grad_norm", "grad norm (before clipping)", 1.0, "tab:red"),
+        (ax_tok, "tokens_per_s", "trained tokens / s", 1.0, "tab:purple"),
+        (ax_mfu, "mfu", "MFU (%)", 100.0, "tab:brown"),
+        (ax_mem, "peak_memory_bytes", "peak memory (MiB, measured steps only)", 1 / 2**20, "tab:gray"),
+    ):
+        x, y = _series(steps, key, scale)
+        ax.plot(x, y, "o-" if len(x) <= 20 else "-", color=color, markersize=3)
+        ax.set_title(title)
+        if not x:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+    from matplotlib.ticker import MaxNLocator
+
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    for ax in axes.flat:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    last = steps[-1]
+    fig.suptitle(
+        f"{output_dir.name}: {len(steps)} steps, last loss {last['loss']:.4f}"
+        + (f", last eval loss {evals[-1]['eval_loss']:.4f}" if evals else "")
+    )
+    path = output_dir / CURVES_FILE
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
+
+
+# ---------------------------------------------------------------- a bench's bars
+
+
+def plot_bench(rows: list[dict], path: Path) -> Path:
+    """Three bar panels (peak memory, trained tokens/s, largest micro-batch in the budget), each bar labelled
+    with its ratio to fp32 without checkpointing; skipped trials are shown with the reason."""
+    plt = _pyplot()
+    labels = [_trial_label(r) for r in rows]
+    colors = [
+        {"fp32": "tab:blue", "bf16": "tab:orange", "fp16": "tab:green"}.get(r["precision"], "tab:gray") for r in rows
+    ]
+    panels = (
+        ("peak_memory_bytes", "peak_memory_rel", "steady-state peak memory (MiB)", 1 / 2**20, "lower is better"),
+        ("tokens_per_s", "tokens_per_s_rel", "trained tokens / s (median step)", 1.0, "higher is better"),
+        ("max_micro_batch_size", "max_micro_batch_rel", "largest micro-batch in budget (estimate)", 1.0, "higher"),
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), constrained_layout=True)
+    for ax, (key, rel, title, scale, better) in zip(axes, panels, strict=True):
+        values = [(r.get(key) or 0) * scale for r in rows]
+        bars = ax.bar(range(len(rows)), values, color=colors)
+        for bar, row in zip(bars, rows, strict=True):
+            if row.get("gradient_checkpointing"):
+                bar.set_hatch("//")
+            if row.get("skipped"):
+                text = "skipped"
+            elif row.get(rel) is not None:
+                text = f"x{row[rel]:.2f}"
+            else:
+                text = ""
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+        ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right")
+        ax.set_title(f"{title}\n({better}; x = ratio to fp32, no ckpt)", fontsize=10)
+        ax.margins(y=0.15)
+        ax.grid(axis="y", alpha=0.3)
+    skipped = sorted({f"{r['precision']}: {r['skipped']}" for r in rows if r.get("skipped")})
+    if skipped:  # supxlabel: constrained layout makes room for it below the tick labels
+        fig.supxlabel("\n".join(_shorten(s, 200) for s in skipped), fontsize=7, color="gray")
+    setup = rows[0].get("setup", {}) if rows else {}
+    where = f": {setup['recipe']} on {setup['device']}, {setup['date']}" if "recipe" in setup else ""
+    fig.suptitle(f"llmtune bench{where} (hatched: gradient checkpointing on)")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+# ---------------------------------------------------------------- a memory estimate
+
+
+def plot_estimate(recipe: Any, config: Any, settings: Any, plan: Any, num_processes: int, path: str | Path) -> Path:
+    """Stacked bars of the estimated peak's breakdown (weights, gradients, optimizer states, activations...)
+    at the micro-batches the planner may choose (divisors of the per-process batch), with the budget as a
+    line and the planned micro-batch marked.
+
+    `settings`: the keyword arguments of `llmtune.memory.estimate.estimate` other than micro_batch_size,
+    seq_len, num_processes and grad_accum_steps (a mapping, or a dataclass of them); `plan`: anything with
+    `micro_batch_size` and `budget_bytes` (a `MemoryPlan`). Each bar is one estimate (seconds each), so at
+    most 8 micro-batches are drawn.
+    """
+    import dataclasses
+
+    from llmtune.memory.estimate import estimate
+
+    plt = _pyplot()
+    kwargs = dataclasses.asdict(settings) if dataclasses.is_dataclass(settings) else dict(settings)
+    per_process = recipe.training.global_batch_size // num_processes
+    sizes = [m for m in range(1, per_process + 1) if per_process % m == 0]
+    if len(sizes) > 8:  # keep the ends and the planned one, spread the rest
+        step = (len(sizes) - 1) / 7
+        sizes = sorted({sizes[round(i * step)] for i in range(8)} | {plan.micro_batch_size})
+    estimates = [
+        estimate(
+            config,
+            micro_batch_size=m,
+            seq_len=recipe.data.max_length,
+            num_processes=num_processes,
+            grad_accum_steps=per_process // m,
+            **kwargs,
+        )
+        for m in sizes
+    ]
+    parts = sorted(
+        {k for e in estimates for k in e.breakdown}, key=lambda k: -max(e.breakdown.get(k, 0) for e in estimates)
+    )
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(sizes) + 3), 5), constrained_layout=True)
+    bottom = [0.0] * len(sizes)
+    for part in parts:
+        heights = [e.breakdown.get(part, 0) / 2**30 for e in estimates]
+        ax.bar(range(len(sizes)), heights, bottom=bottom, label=part.replace("_", " "))
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    budget = plan.budget_bytes / 2**30
+    ax.axhline(budget, color="red", linestyle="--", label=f"budget {budget:.2f} GiB")
+    labels = [f"{m}\n(planned)" if m == plan.micro_batch_size else str(m) for m in sizes]
+    ax.set_ylim(0, 1.3 * max(budget, *bottom))  # room for the legend above the budget line
+    ax.set_xticks(range(len(sizes)), labels)
+    ax.set_xlabel(f"micro-batch ({recipe.data.max_length} tokens per row, {num_processes} process(es))")
+    ax.set_ylabel("estimated peak, GiB")
+    ax.set_title(f"{recipe.model.name_or_path}: estimated peak memory per process, by part")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(axis="y", alpha=0.3)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def _trial_label(row: dict) -> str:
+    return row["precision"] + (" + ckpt" if row.get("gradient_checkpointing") else "")
+
+
+def _shorten(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+# ---------------------------------------------------------------- command line
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    try:
+        paths = plot_run(Path(args.output_dir))
+    except PlotError as err:
+        print(f"llmtune: error: {err}", file=sys.stderr)  # noqa: T201 (a command's own output)
+        return 2
+    for path in paths:
+        print(path)  # noqa: T201
+    return 0
+
+
+def add_plot_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `llmtune plot OUTPUT_DIR` on the CLI's subparsers."""
+    p = sub.add_parser("plot", help="draw a run's curves (loss, eval loss, lr, tokens/s, memory) into curves.png")
+    p.add_argument("output_dir", help="a run's output_dir (holds metrics.jsonl)")
+    p.set_defaults(func=cmd_plot)
+    return p

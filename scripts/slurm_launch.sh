@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Multi-node llmtune on SLURM: one `accelerate launch` per node, each starting one process per GPU.
+#   sbatch scripts/slurm_launch.sh recipes/NAME.yaml [key=value ...]
+#SBATCH --job-name=llmtune
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1          # one launcher per node; it starts the per-GPU processes
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=64
+#SBATCH --signal=B:USR1@300          # 5 min before the time limit: llmtune checkpoints and exits 75
+#SBATCH --requeue
+set -euo pipefail
+RECIPE=${1:?usage: sbatch scripts/slurm_launch.sh RECIPE [key=value ...]}; shift
+GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-8}
+MAIN_IP=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+
+# Forward the warning signal to the launchers (and on to every worker); llmtune coordinates the save.
+trap 'kill -USR1 $(jobs -p) 2>/dev/null' USR1
+
+srun --kill-on-bad-exit=1 bash -c "accelerate launch \
+  --multi_gpu --num_machines $SLURM_NNODES --num_processes $((SLURM_NNODES * GPUS_PER_NODE)) \
+  --machine_rank \$SLURM_NODEID --main_process_ip $MAIN_IP --main_process_port 29500 \
+  --rdzv_backend static \
+  scripts/finetune.py --recipe $RECIPE checkpoint.resume=auto $*" &
+wait

@@ -1,0 +1,185 @@
+"""`llmtune bench` on tiny models: every trial runs through the real loop; the pure parts on made-up data."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import pytest
+import torch
+
+from llmtune import bench
+from llmtune.bench import (
+    add_bench_parser,
+    estimate_kwargs,
+    format_table,
+    largest_fitting,
+    plan_trials,
+    run_bench,
+    steady_steps,
+    step_rates,
+    tokens_per_s,
+)
+from llmtune.memory.estimate import LoraSpec
+from llmtune.model import cpu_supports_bf16
+from llmtune.recipe import load_recipe
+
+ON_CPU = not torch.cuda.is_available()
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_bench_measures_each_precision_and_checkpointing(tiny_recipe, tmp_path):
+    out = tmp_path / "bench"
+    rows = run_bench(str(tiny_recipe()), [], out, steps=3, repeats=1, budget="64MiB")
+
+    assert rows == json.loads((out / "bench.json").read_text())
+    grid = {(r["precision"], r["gradient_checkpointing"]): r for r in rows}
+    assert set(grid) == {(p, gc) for p in ("fp32", "fp16", "bf16") for gc in (False, True)}
+    ran = [r for r in rows if not r["skipped"]]
+    expected = {"fp32", "bf16"} if (not ON_CPU or cpu_supports_bf16()) else {"fp32"}
+    assert {r["precision"] for r in ran} == expected
+    for r in ran:
+        assert r["peak_memory_bytes"] > 0 and r["tokens_per_s"] > 0 and r["max_micro_batch_size"] > 0
+        assert r["micro_batch_size"] == 4 and r["grad_accum_steps"] == 2  # the recipe's batch, untouched
+        # 3 steps leave no untracked step after the warm-up: the row says which it used.
+        assert r["tokens_per_s_steps"].startswith("steps 3-3")
+    base = grid["fp32", False]
+    assert base["peak_memory_rel"] == base["tokens_per_s_rel"] == base["max_micro_batch_rel"] == 1.0
+    # Checkpointing keeps fewer activations: less memory and a larger micro-batch fit.
+    assert grid["fp32", True]["peak_memory_bytes"] < base["peak_memory_bytes"]
+    assert grid["fp32", True]["max_micro_batch_size"] > base["max_micro_batch_size"]
+    if ON_CPU:
+        assert all(grid["fp16", gc]["skipped"] and "cpu" in grid["fp16", gc]["skipped"] for gc in (False, True))
+
+    table = format_table(rows)
+    assert table == (out / "bench.md").read_text().strip()
+    assert table.count("\n") == 1 + len(rows) and "skipped" in table
+    assert (out / "bench.png").read_bytes()[:8] == PNG
+    trial_dirs = {p.name for p in (out / "trials").iterdir()}
+    assert trial_dirs == {f"{p}{ckpt}-r0" for p in expected for ckpt in ("", "-ckpt")}
+    assert all((out / "trials" / d / "metrics.jsonl").is_file() for d in trial_dirs)
+
+
+def fake_trial(calls: list):
+    """Stands in for `run_trial`: records the order and the overrides, writes what a real trial writes."""
+
+    def run_trial(recipe_path, overrides, output_dir):
+        recipe = load_recipe(recipe_path, overrides)
+        calls.append(recipe)
+        slow = 2.0 if recipe.training.gradient_checkpointing else 1.0
+        records = [
+            {
+                "step": s,
+                "loss": 5.0 - s,
+                "trained_tokens": 100,
+                "seconds": slow * (3 if s <= 3 else 1),
+                "peak_memory_bytes": 1000 if s <= 3 else None,
+            }
+            for s in range(1, recipe.training.max_steps + 1)
+        ]
+        summary = {
+            "peak_memory_bytes": 500 if recipe.training.gradient_checkpointing else 1000,
+            "micro_batch_size": 4,
+            "grad_accum_steps": 2,
+            "steps": recipe.training.max_steps,
+        }
+        output_dir.mkdir(parents=True)
+        (output_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (output_dir / "run_summary.json").write_text(json.dumps(summary))
+        return {"summary": summary, "records": records, "wall_s": 1.0}
+
+    return run_trial
+
+
+def test_bench_interleaves_rounds_and_keeps_the_recipes_lora(tiny_recipe, tmp_path, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(bench, "run_trial", fake_trial(calls))
+    capacity = {"max_micro_batch_size": 16, "max_micro_batch_method": "fake", "planned_micro_batch_size": 8}
+    monkeypatch.setattr(bench, "micro_batch_capacity", lambda *a, **k: capacity)
+    recipe = tiny_recipe(peft__method="lora", peft__rank=4, training__warmup_steps=3)
+    rows = run_bench(
+        str(recipe), ["seed=1"], tmp_path / "b", steps=5, repeats=3, budget="1GiB", precisions=["fp32", "fp16"]
+    )
+
+    order = [(r.training.precision, r.training.gradient_checkpointing) for r in calls]
+    plain, ckpt = ("fp32", False), ("fp32", True)
+    assert order == [plain, ckpt, ckpt, plain, plain, ckpt]  # each round reverses the one before
+    for r in calls:  # the trials keep the recipe (and the user's overrides), with the bench's own settings
+        assert (r.peft.method, r.peft.rank, r.seed) == ("lora", 4, 1)
+        assert (r.training.max_steps, r.checkpoint.every_n_steps, r.logging.progress_bar) == (5, 0, False)
+        assert r.data.eval == [] and r.logging.report_to == [] and r.training.warmup_steps == 3
+    assert len({r.output_dir for r in calls}) == 6  # a fresh output_dir per trial and round
+    off, on, *fp16 = rows
+    if ON_CPU:  # skipped rows keep their place in the table, without figures
+        assert [r["skipped"] is not None for r in fp16] == [True, True]
+        assert fp16[0]["tokens_per_s"] is None and fp16[0]["tokens_per_s_rel"] is None
+    assert off["peft"] == on["peft"] == "lora"
+    assert off["tokens_per_s_per_round"] == [100.0] * 3 and on["tokens_per_s_per_round"] == [50.0] * 3
+    assert off["tokens_per_s_steps"] == "steps 4-5 of each round (6 steps in all), memory tracker off"
+    assert (on["peak_memory_rel"], on["tokens_per_s_rel"], on["tokens_per_s_best_rel"]) == (0.5, 0.5, 0.5)
+    assert (tmp_path / "b" / "bench.png").read_bytes()[:8] == PNG
+
+
+def test_estimator_settings_follow_the_recipe(tiny_recipe):
+    recipe = load_recipe(tiny_recipe(peft__method="lora", peft__rank=4, peft__target_modules=["q_proj", "v_proj"]))
+    kwargs = estimate_kwargs(recipe, "bf16", True, "cpu")
+    assert kwargs["lora"] == LoraSpec(rank=4, target_modules=("q_proj", "v_proj"), dropout=False, alpha=32)
+    assert (kwargs["precision"], kwargs["gradient_checkpointing"], kwargs["device"]) == ("bf16", True, "cpu")
+    assert kwargs["optimizer"] == "adamw" and kwargs["loss"] == "chunked"  # loss auto -> chunked for Llama
+
+
+def test_fp16_is_skipped_on_cpu_with_the_reason():
+    trials = plan_trials("cpu")
+    fp16 = [t for t in trials if t.precision == "fp16"]
+    assert [t.gradient_checkpointing for t in fp16] == [False, True]
+    assert all("fp16 cannot run on cpu" in t.skipped for t in fp16)
+    assert all(t.skipped is None for t in trials if t.precision == "fp32")
+
+
+def test_steady_steps_skip_warmup_and_prefer_untracked_steps():
+    records = [
+        {"step": s, "loss": 1.0, "trained_tokens": 100, "seconds": sec, "peak_memory_bytes": peak}
+        for s, sec, peak in [(1, 9.0, 5), (2, 2.0, 6), (3, 2.0, 6), (4, 1.0, None), (5, 1.5, None)]
+    ]
+    records.append({"step": 5, "eval_loss": 1.0, "eval_perplexity": 2.7})
+    chosen, tracked = steady_steps(records)
+    assert [r["step"] for r in chosen] == [4, 5] and tracked is False
+    assert tokens_per_s(chosen) == pytest.approx(200 / 2.5)
+    # A burst of other work stalls one step: the median step rate stays put, the pooled rate does not.
+    stalled = [chosen[0], {**chosen[0], "step": 6}, {**chosen[0], "step": 7, "seconds": 20.0}]
+    assert statistics.median(step_rates(stalled)) == 100.0 and tokens_per_s(stalled) < 15
+    chosen, tracked = steady_steps(records[:3])
+    assert [r["step"] for r in chosen] == [3] and tracked is True
+
+
+def test_largest_fitting_micro_batch():
+    calls = []
+
+    def peak_of(b: int) -> tuple[int, str]:
+        calls.append(b)
+        # Two phases: the optimizer step (flat) peaks at small batches, activations (steep) at large ones.
+        return max((1000, "step"), (200 + 30 * b, "backward"))
+
+    size, how = largest_fitting(peak_of, budget=10_000, start=4)
+    assert size == 326 and "32 and 64" in how  # 200 + 30 * 326 = 9980 <= 10_000 < 10_010
+    assert max(calls) <= 64  # extrapolated, not estimated at large micro-batches
+    assert largest_fitting(peak_of, budget=1100, start=64)[0] == 30  # bisected below the start
+    assert largest_fitting(peak_of, budget=999, start=8)[0] == 0
+
+
+def test_bench_parser_wires_a_subcommand():
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--recipe", "r.yaml", "data.max_length=32", "--steps", "4", "--budget", "8GiB"])
+    assert (args.recipe, args.overrides, args.steps, args.budget, args.out) == (
+        "r.yaml",
+        ["data.max_length=32"],
+        4,
+        "8GiB",
+        None,
+    )
+    assert callable(args.func)
+    with pytest.raises(SystemExit):  # too few steps to leave out a warm-up: argparse refuses it (exit 2)
+        parser.parse_args(["bench", "--recipe", "r.yaml", "--steps", "2"])

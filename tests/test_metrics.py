@@ -1,0 +1,141 @@
+"""What a run reports: metrics.jsonl per step and per eval, Accelerate trackers, and the curves drawn from them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+
+import pytest
+
+from llmtune.cli import main
+from llmtune.metrics import TRACKER_MODULES
+from llmtune.plot import CURVES_FILE, PlotDependencyError, PlotError, add_plot_parser, plot_run, read_metrics
+
+STEP_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_bytes", "skipped_steps"}
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_writes_metrics_tensorboard_events_and_curves(tiny_recipe, tiny_data, tmp_path):
+    """One 4-step run (training is the slow part) with eval data (the training file again) evaluated every 2
+    steps and logged to tensorboard; each output is checked on its own below."""
+    recipe = tiny_recipe(
+        data__eval=[{"path": str(tiny_data)}],
+        training__eval_every_n_steps=2,
+        logging__report_to=["tensorboard"],
+    )
+    assert main(["train", "--recipe", str(recipe)]) == 0
+    run = tmp_path / "run"
+    check_metrics_jsonl(run)
+    check_tensorboard_events(run)
+    check_curves(run)
+
+
+def check_metrics_jsonl(run) -> None:
+    lines = records(run)
+    steps = [r for r in lines if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        assert STEP_FIELDS <= r.keys(), STEP_FIELDS - r.keys()
+        assert math.isfinite(r["loss"]) and r["lr"] > 0 and r["grad_norm"] > 0
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["skipped_steps"] == 0
+        # logging.every_n_steps=1: every step is logged, so on CPU every step is memory-tracked too.
+        assert r["peak_memory_bytes"] > 0
+    evals = [r for r in lines if "eval_loss" in r]
+    assert [r["step"] for r in evals][:2] == [2, 4]  # every 2 steps (then once more at the end)
+    for r in evals:
+        assert r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"]), rel=1e-5)
+    summary = json.loads((run / "run_summary.json").read_text())
+    assert summary["eval_loss"] == pytest.approx(evals[-1]["eval_loss"])
+    # The steady-state peak leaves out the first step (AdamW's states appear during it).
+    assert summary["peak_memory_bytes"] == max(r["peak_memory_bytes"] for r in steps[1:])
+
+
+def check_tensorboard_events(run) -> None:
+    # Accelerate's TensorBoardTracker writes to <project_dir = output_dir>/<project name = "llmtune">; the
+    # recipe goes in as hparams, which tensorboard writes to a timestamped folder below that.
+    scalars_dir = run / "llmtune"
+    assert any(scalars_dir.glob("events.out.tfevents.*"))
+    assert all(scalars_dir in e.parents for e in run.rglob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(scalars_dir))
+    acc.Reload()
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "eval_loss"} <= set(acc.Tags()["scalars"])
+    assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3, 4]
+
+
+def check_curves(run) -> None:
+    paths = plot_run(run)
+    assert paths == [run / CURVES_FILE]
+    data = paths[0].read_bytes()
+    assert data[:8] == PNG and len(data) > 10_000
+
+
+def test_unknown_tracker_is_refused_at_start(tiny_recipe, tmp_path, capsys):
+    recipe = tiny_recipe(logging__report_to=["tensorbored"])
+    assert main(["train", "--recipe", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown tracker 'tensorbored'" in err and "tensorboard" in err
+    assert not (tmp_path / "run").exists()  # refused before anything ran or was written
+
+
+def test_tracker_that_is_not_installed_is_refused_at_start(tiny_recipe, tmp_path, capsys):
+    missing = [n for n, mods in TRACKER_MODULES.items() if not any(importlib.util.find_spec(m) for m in mods)]
+    if not missing:
+        pytest.skip("every known tracker is installed here")
+    recipe = tiny_recipe(logging__report_to=[missing[0]])
+    assert main(["train", "--recipe", str(recipe)]) == 2
+    assert f"pip install {missing[0]}" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_plot_keeps_the_last_record_of_a_step_after_resume(tmp_path):
+    lines = [
+        {"step": 1, "loss": 3.0, "lr": 1e-3, "peak_memory_bytes": None},
+        {"step": 2, "loss": 9.0, "lr": 1e-3, "peak_memory_bytes": None},  # lost: resumed from step 1
+        {"step": 2, "loss": 2.0, "lr": 1e-3, "peak_memory_bytes": 2**20},
+        {"step": 2, "eval_loss": 2.5, "eval_perplexity": math.exp(2.5)},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    steps, evals = read_metrics(tmp_path)
+    assert [(r["step"], r["loss"]) for r in steps] == [(1, 3.0), (2, 2.0)] and len(evals) == 1
+    assert plot_run(tmp_path)[0].read_bytes()[:8] == PNG  # fields never logged get an empty panel
+
+
+def test_plot_errors_are_clear(tmp_path, monkeypatch, capsys):
+    with pytest.raises(PlotError, match="metrics.jsonl: not found"):
+        plot_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(PlotDependencyError, match="pip install matplotlib"):
+        plot_run(tmp_path)
+    assert issubclass(PlotDependencyError, ValueError)
+    # The command reports it as a user error (exit 2), without a traceback.
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_plot_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plot", str(tmp_path)])
+    assert args.func(args) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def test_plot_estimate_draws_the_breakdown_per_micro_batch(tiny_recipe, tmp_path):
+    from transformers import AutoConfig
+
+    from llmtune.memory.plan import plan_micro_batch
+    from llmtune.plot import plot_estimate
+    from llmtune.recipe import load_recipe
+
+    recipe = load_recipe(tiny_recipe())
+    config = AutoConfig.from_pretrained(recipe.model.name_or_path)
+    settings = {"precision": "fp32", "gradient_checkpointing": False, "device": "cpu"}
+    plan = plan_micro_batch(config, global_batch_size=8, budget_bytes=2**30, seq_len=48, **settings)
+    path = plot_estimate(recipe, config, settings, plan, 1, tmp_path / "estimate.png")
+    assert path.read_bytes()[:8] == PNG
