@@ -100,6 +100,16 @@ def _logit_transform(config: Any) -> tuple[float, float | None]:
     return scale, (float(softcap) if softcap else None)
 
 
+def default_chunk_size(vocab_size: int) -> int:
+    """Token rows per loss chunk: ~8 Mi logits (32 MiB in fp32) per chunk, kept between 128 and 1024 rows.
+
+    At vocab 32000 that is 262 rows; at 128256, 128. Sizing chunks by bytes rather than a fixed 1024 rows
+    took the loss buffers of scripts/bench_vs_hf.py's defaults mode (vocab 32000) from 259 to 118 MiB (by
+    the estimator); scripts/bench_loss.py measured 256-row chunks at 0.8-0.95x of HF's loss time.
+    """
+    return max(128, min(1024, 2**23 // vocab_size))
+
+
 def resolve_loss_impl(requested: Literal["auto", "hf", "chunked"], config: Any) -> LossImpl:
     """Pick the loss implementation for a model config.
 
@@ -300,13 +310,13 @@ class CausalLMWithLoss(torch.nn.Module):
     outside the lm_head's own forward.
     """
 
-    def __init__(self, model: torch.nn.Module, impl: LossImpl, chunk_size: int = 1024):
+    def __init__(self, model: torch.nn.Module, impl: LossImpl, chunk_size: int | None = None):
         super().__init__()
         if impl not in ("hf", "chunked"):
             raise ValueError(f"impl must be 'hf' or 'chunked' (resolve 'auto' first), got {impl!r}")
         self.model = model
         self.impl = impl
-        self.chunk_size = chunk_size
+        self.chunk_size = chunk_size or default_chunk_size(_text_config(model.config).vocab_size)
         if impl == "chunked":
             self.logit_scale, self.softcap = _logit_transform(model.config)
 

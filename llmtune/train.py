@@ -31,6 +31,7 @@ from llmtune.memory.measure import PeakMemoryTracker
 from llmtune.memory.plan import estimate_settings, plan_for_budget, resolve_budget
 from llmtune.metrics import MetricsLogger, check_trackers, flops_per_token, measure_peak_flops
 from llmtune.model import (
+    SetupError,
     check_requirements,
     count_parameters,
     load_config,
@@ -168,6 +169,13 @@ def make_accelerator(recipe: Recipe) -> tuple[Accelerator, str]:
                 name,
                 accelerator.distributed_type.value,
             )
+    if sharding_of(accelerator) == "zero3" and recipe.peft.method != "none" and recipe.training.gradient_checkpointing:
+        # ZeRO-3 frees partitioned weights that non-reentrant recomputation then needs (a known
+        # DeepSpeed/peft failure); refuse it here rather than at the first backward.
+        raise SetupError(
+            "LoRA + gradient checkpointing under DeepSpeed ZeRO-3 fails with non-reentrant checkpointing."
+            " Use recipes/accelerate/fsdp2.yaml or deepspeed_zero2.yaml, or turn checkpointing off."
+        )
     if launcher and launcher != mixed:
         log.info("the launcher asked for mixed_precision=%s; the recipe's precision %s wins", launcher, precision)
     return accelerator, precision
@@ -223,8 +231,9 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, device: torch.device)
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(groups, lr=t.learning_rate, betas=tuple(t.adam_betas))
-    # Fused AdamW does the whole update in one kernel with no state-sized temporaries.
-    fused = device.type == "cuda" and all(p.dtype.is_floating_point for p in decay + no_decay)
+    # Fused AdamW does the whole update in one kernel with no state-sized temporaries; on a CPU torch's
+    # default loops tensor by tensor (measured on 46M params: 445 ms per step vs 37 ms fused).
+    fused = device.type in ("cuda", "cpu") and all(p.dtype.is_floating_point for p in decay + no_decay)
     return torch.optim.AdamW(groups, lr=t.learning_rate, betas=tuple(t.adam_betas), fused=fused or None)
 
 
@@ -347,7 +356,7 @@ def fit(run: Run) -> dict[str, Any]:
                 result = train_step(run, examples)
             if result is None:  # out of memory: the plan shrank; redo the same step
                 continue
-            loss, trained_tokens, grad_norm = result
+            loss, trained_tokens, processed_tokens, grad_norm = result
             if not math.isfinite(loss):
                 nonfinite += 1
                 run.counters["skipped_steps"] += 1
@@ -383,7 +392,7 @@ def fit(run: Run) -> dict[str, Any]:
                 trained_tokens=trained_tokens,
                 seconds=seconds,
                 tokens_per_s=trained_tokens / seconds,
-                mfu=trained_tokens * run.flops_per_token / seconds / run.peak_flops / acc.num_processes,
+                mfu=processed_tokens * run.flops_per_token / seconds / run.peak_flops / acc.num_processes,
                 peak_memory_bytes=peak,
                 skipped_steps=run.counters["skipped_steps"],
                 micro_batch_size=run.plan.micro_batch_size,
@@ -408,9 +417,10 @@ def fit(run: Run) -> dict[str, Any]:
     return summary
 
 
-def train_step(run: Run, examples: list[dict]) -> tuple[float, int, float] | None:
-    """One optimizer step over this process's examples. Returns (loss per trained token, trained tokens
-    on all processes, grad norm), or None when any process ran out of memory (the plan was shrunk)."""
+def train_step(run: Run, examples: list[dict]) -> tuple[float, int, int, float] | None:
+    """One optimizer step over this process's examples. Returns (loss per trained token, trained and
+    processed tokens on all processes, grad norm), or None when any process ran out of memory (the plan
+    was shrunk)."""
     acc, model, m = run.accelerator, run.model, run.plan.micro_batch_size
     pad = run.tokenizer.pad_token_id
     micro_batches = [
@@ -419,8 +429,10 @@ def train_step(run: Run, examples: list[dict]) -> tuple[float, int, float] | Non
     # Loss is summed per token and divided by the trained tokens of the whole window on all processes,
     # so long and short examples weigh the same whatever the micro-batching. DDP averages gradients
     # over processes, hence the factor num_processes.
-    local = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
-    total = int(acc.reduce(torch.tensor(local, device=acc.device), reduction="sum"))
+    trained = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
+    processed = sum(len(e["input_ids"]) for e in examples)  # real tokens, padding excluded (for MFU)
+    counts = acc.reduce(torch.tensor([trained, processed], device=acc.device), reduction="sum")
+    total, processed = int(counts[0]), int(counts[1])
     scale = acc.num_processes / max(total, 1)
     loss_sum = torch.zeros((), device=acc.device)
     oom = False
@@ -449,7 +461,7 @@ def train_step(run: Run, examples: list[dict]) -> tuple[float, int, float] | Non
             grad_norm = float(acc.clip_grad_norm_(model.parameters(), run.recipe.training.max_grad_norm))
         run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-    return loss, total, grad_norm
+    return loss, total, processed, grad_norm
 
 
 @torch.no_grad()

@@ -149,3 +149,22 @@ def test_deepspeed_launch_is_refused_clearly_without_deepspeed(tiny_recipe):
     )
     assert proc.returncode != 0
     assert "DeepSpeed is not installed" in proc.stderr
+
+
+def test_lora_with_checkpointing_in_bf16_under_ddp(tiny_recipe, tmp_path):
+    recipe = tiny_recipe(
+        training__micro_batch_size=2,
+        training__precision="bf16",
+        training__gradient_checkpointing=True,
+        training__learning_rate=1e-2,
+        training__max_steps=6,
+        peft__method="lora",
+        peft__rank=4,
+    )
+    proc = subprocess.run(launch(recipe, f"output_dir={tmp_path / 'run'}"), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["precision"] == "bf16"
+    loss = losses(tmp_path / "run")
+    assert loss[6] < loss[1]
+    assert (tmp_path / "run" / "final" / "adapter_model.safetensors").exists()

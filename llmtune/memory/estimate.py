@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from llmtune.loss import default_chunk_size
 from llmtune.memory.measure import LiveStorageCounter
 from llmtune.model import enable_gradient_checkpointing
 
@@ -529,7 +530,7 @@ def estimate(
     attn_implementation: str = "sdpa",
     optimizer: str = "adamw",
     loss: str = "hf",
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     lora: LoraSpec | None = None,
     num_processes: int = 1,
     sharding: str = "none",
@@ -559,7 +560,7 @@ def estimate(
         attn_implementation=attn_implementation,
         optimizer=optimizer,
         loss=loss,
-        chunk_size=chunk_size,
+        chunk_size=chunk_size or default_chunk_size(getattr(config, "text_config", config).vocab_size),
         lora=lora,
         num_processes=num_processes,
         sharding=sharding,

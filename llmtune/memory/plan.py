@@ -34,6 +34,9 @@ class MemoryPlan:
             "predicted_peak": format_bytes(self.predicted_peak_bytes),
             "budget_bytes": self.budget_bytes,
             "budget": format_bytes(self.budget_bytes),
+            "peak_bytes": self.predicted_peak_bytes,
+            "peak_phase": self.estimate.peak_phase,
+            "breakdown": self.estimate.breakdown,
             "estimate": self.estimate.to_dict(),
         }
 
@@ -159,8 +162,8 @@ def estimate_settings(recipe: Recipe, *, loss: str, device: str, sharding: str =
         target = peft.target_modules if isinstance(peft.target_modules, str) else tuple(peft.target_modules)
         lora = LoraSpec(rank=peft.rank, target_modules=target, dropout=peft.dropout > 0, alpha=int(peft.alpha))
     optimizer = t.optimizer
-    if optimizer == "adamw" and device == "cuda":
-        optimizer = "adamw_fused"  # what train.make_optimizer builds on CUDA
+    if optimizer == "adamw":
+        optimizer = "adamw_fused"  # what train.make_optimizer builds on CUDA and CPU
     return dict(
         precision=precision,
         gradient_checkpointing=t.gradient_checkpointing,
