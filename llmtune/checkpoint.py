@@ -61,14 +61,19 @@ def _publish(accelerator: Accelerator, tmp: Path, final: Path) -> None:
     """Rename a finished temporary folder into place (main process), replacing an older `final`."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        _fsync_tree(tmp)
-        old = final.with_name(f".{final.name}.old")
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, final)
     accelerator.wait_for_everyone()
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Put the complete folder `tmp` in place of `final`; an older `final` goes only once `tmp` is there."""
+    _fsync_tree(tmp)
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _fsync_tree(path: Path) -> None:

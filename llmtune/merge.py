@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -259,6 +258,8 @@ def _config_dtype(config: Any) -> torch.dtype:
 
 def _write_atomically(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
     """Write to a hidden sibling, then rename; an older merge at `out` is replaced only once the new one is whole."""
+    from llmtune.checkpoint import replace_dir
+
     if out.exists() and not (out / "config.json").is_file() and any(out.iterdir()):
         raise MergeError(f"{out}: exists and is not a model folder; refusing to replace it (choose another --out)")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -266,16 +267,7 @@ def _write_atomically(model: torch.nn.Module, tokenizer: Any, out: Path) -> None
     shutil.rmtree(tmp, ignore_errors=True)  # left over from a merge that was killed
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    for file in tmp.rglob("*"):
-        if file.is_file():  # the rename commits only data that has reached the disk
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
-    old = out.with_name(f".{out.name}.old")
-    if out.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    replace_dir(tmp, out)
 
 
 # ---------------------------------------------------------------- command line

@@ -24,54 +24,18 @@ import os
 import platform
 import sys
 import time
-import weakref
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llmtune.loss import chunked_cross_entropy  # noqa: E402
+from llmtune.memory.measure import PeakMemoryTracker
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "loss_cpu.json"
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of tensor storages allocated inside the mode and still alive."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._refs: dict[int, weakref.ref] = {}
-
-    def _freed(self, key: int, nbytes: int) -> None:
-        self.live -= nbytes
-        self._refs.pop(key, None)
-
-    def _track(self, tensors, count: bool) -> None:
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                key = id(st)
-                if key in self._refs and self._refs[key]() is st:
-                    continue
-                # Storages first seen as inputs were allocated before the mode: known, not counted.
-                nbytes = st.nbytes() if count else 0
-                self._refs[key] = weakref.ref(st, lambda _, k=key, n=nbytes: self._freed(k, n))
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self._track(tree_flatten((args, kwargs))[0], count=False)
-        out = func(*args, **kwargs)
-        self._track(tree_flatten(out)[0], count=True)
-        return out
 
 
 def hf_loss(hidden, weight, labels, chunk_size):
@@ -103,13 +67,13 @@ def run_one(impl, n, v, h, precision, chunk_size, seed=0):
     hidden = torch.randn(n, h, generator=g).requires_grad_(True)
     weight = (torch.randn(v, h, generator=g) * h**-0.5).requires_grad_(True)
     labels = torch.randint(0, v, (n,), generator=g)
-    with LiveBytes() as counter:
+    with PeakMemoryTracker("cpu", baseline=[hidden, weight, labels]) as counter:
         start = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = IMPLS[impl](hidden, weight, labels, chunk_size)
         loss.backward()
         seconds = time.perf_counter() - start
-    return {"seconds": seconds, "peak_bytes": counter.peak, "loss": loss.item()}
+    return {"seconds": seconds, "peak_bytes": counter.peak_bytes - counter.entry_bytes, "loss": loss.item()}
 
 
 def main(argv=None):

@@ -8,12 +8,11 @@ that gets busier moves both alike; ratios are taken per round).
 
 Two modes:
 - `identical`: the same micro-batch, accumulation, precision (bf16 autocast), checkpointing (off),
-  padding (no packing), optimizer (torch AdamW, foreach), loss (transformers' ForCausalLMLoss: llmtune
+  padding (no packing), optimizer (torch AdamW, fused), loss (transformers' ForCausalLMLoss: llmtune
   `training.loss=hf`), and the very same micro-batches in the same order (HF gets a sequential sampler
   over llmtune's step order). Targets: llmtune tokens/s >= 1.0x HF's, peak memory <= 1.0x.
 - `defaults`: each tool as recommended, for one memory budget. llmtune: packing, `loss: auto` (chunked),
-  `micro_batch_size: auto` with `memory.budget` (if the loop does not plan yet, the script calls
-  llmtune's planner `plan_micro_batch` itself and says so). HF: per_device_train_batch_size 8 (its
+  `micro_batch_size: auto` with `memory.budget`. HF: per_device_train_batch_size 8 (its
   default), bf16=True, its default optimizer (fused AdamW), no packing; if that does not fit the budget,
   what a user does next, in order: gradient checkpointing, then halve the batch (accumulation keeps the
   global batch). Fit is judged by the estimator's prediction first, then checked against the measured
@@ -408,26 +407,6 @@ def hf_user_sequence() -> list[tuple[int, bool]]:
     return out
 
 
-def llmtune_plan(config, budget: int, seq_len: int) -> tuple[int, str]:
-    """The micro-batch llmtune's planner picks, when the loop does not resolve `auto` itself."""
-    from llmtune.memory.plan import plan_micro_batch
-
-    plan = plan_micro_batch(
-        config, global_batch_size=GLOBAL_BATCH, budget_bytes=budget, seq_len=seq_len, precision="bf16",
-        gradient_checkpointing=False, loss="chunked", optimizer="adamw", device="cpu",
-    )  # fmt: skip
-    return plan.micro_batch_size, "plan_micro_batch called by this script (the loop does not plan yet)"
-
-
-def loop_plans_auto() -> bool:
-    """Does `llmtune.train.make_plan` resolve `micro_batch_size: auto`? (It takes an int today.)"""
-    import inspect
-
-    from llmtune import train
-
-    return "auto" in inspect.getsource(train.make_plan)
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -501,15 +480,12 @@ def main(argv: list[str] | None = None) -> dict:
             trials["identical"] = (
                 {"data": {"packing": False, "group_by_length": False},
                  "training": {"micro_batch_size": IDENTICAL_MICRO, "loss": "hf", "gradient_checkpointing": False}},
-                {"micro": IDENTICAL_MICRO, "checkpointing": False, "optim": "adamw_torch"},
+                {"micro": IDENTICAL_MICRO, "checkpointing": False, "optim": "adamw_torch_fused"},
                 {},
             )  # fmt: skip
         if "defaults" in a.modes:
             note = {}
-            if loop_plans_auto():
-                micro, how = "auto", "training.micro_batch_size=auto, planned by the loop"
-            else:
-                micro, how = llmtune_plan(config, budget, a.max_length)
+            micro, how = "auto", "training.micro_batch_size=auto, planned by the loop"
             note["llmtune_micro_batch_from"] = how
             hf_choice, tried = None, []
             for m, ckpt in hf_user_sequence():

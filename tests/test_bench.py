@@ -127,7 +127,8 @@ def test_estimator_settings_follow_the_recipe(tiny_recipe):
     kwargs = estimate_kwargs(recipe, "bf16", True, "cpu")
     assert kwargs["lora"] == LoraSpec(rank=4, target_modules=("q_proj", "v_proj"), dropout=False, alpha=32)
     assert (kwargs["precision"], kwargs["gradient_checkpointing"], kwargs["device"]) == ("bf16", True, "cpu")
-    assert kwargs["optimizer"] == "adamw" and kwargs["loss"] == "chunked"  # loss auto -> chunked for Llama
+    # what make_optimizer builds on a CPU too; loss auto -> chunked for Llama
+    assert kwargs["optimizer"] == "adamw_fused" and kwargs["loss"] == "chunked"
 
 
 def test_fp16_is_skipped_on_cpu_with_the_reason():

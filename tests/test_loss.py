@@ -3,51 +3,15 @@
 from __future__ import annotations
 
 import logging
-import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from llmtune.loss import CausalLMWithLoss, chunked_cross_entropy, resolve_loss_impl
+from llmtune.memory.measure import PeakMemoryTracker
 
 transformers = pytest.importorskip("transformers")
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of tensor storages allocated inside the mode and still alive (CPU, no allocator)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._refs: dict[int, weakref.ref] = {}
-
-    def _freed(self, key: int, nbytes: int) -> None:
-        self.live -= nbytes
-        self._refs.pop(key, None)
-
-    def _track(self, tensors, count: bool) -> None:
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                key = id(st)
-                if key in self._refs and self._refs[key]() is st:
-                    continue
-                # Storages first seen as inputs were allocated before the mode: known, not counted.
-                nbytes = st.nbytes() if count else 0
-                self._refs[key] = weakref.ref(st, lambda _, k=key, n=nbytes: self._freed(k, n))
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self._track(tree_flatten((args, kwargs))[0], count=False)
-        out = func(*args, **kwargs)
-        self._track(tree_flatten(out)[0], count=True)
-        return out
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, name: str = "") -> None:
@@ -155,11 +119,13 @@ def test_chunked_no_grad_keeps_no_gradient_buffers():
     hidden, weight, _, labels = _inputs(64, h=32, v=1000)
     hidden.requires_grad_(True)
     weight.requires_grad_(True)
-    with torch.no_grad(), LiveBytes() as counter:
-        loss = chunked_cross_entropy(hidden, weight, labels.int(), chunk_size=16)  # int32 labels too
-    _close(loss, _reference(hidden.detach(), weight.detach(), None, labels), 1e-5)
+    labels = labels.int()  # int32 labels too
+    with torch.no_grad(), PeakMemoryTracker("cpu", baseline=[hidden, weight, labels]) as counter:
+        loss = chunked_cross_entropy(hidden, weight, labels, chunk_size=16)
+    _close(loss, _reference(hidden.detach(), weight.detach(), None, labels.long()), 1e-5)
     # One 16 x V fp32 chunk alive at a time and a few small tensors; no V x h weight gradient.
-    assert counter.peak < 16 * 1000 * 4 * 1.2, counter.peak
+    growth = counter.peak_bytes - counter.entry_bytes
+    assert growth < 16 * 1000 * 4 * 1.2, growth
 
 
 def test_chunked_bf16_autocast_matches_autocast_reference():
@@ -487,9 +453,9 @@ def test_resolve_refuses_what_chunked_does_not_reproduce(caplog):
 def _peak_live_bytes(model, impl, input_ids, labels, chunk_size):
     wrapped = CausalLMWithLoss(model, impl, chunk_size=chunk_size)
     model.zero_grad(set_to_none=True)
-    with LiveBytes() as counter:
+    with PeakMemoryTracker("cpu", baseline=[model, input_ids, labels]) as counter:
         wrapped(input_ids, labels).backward()
-    return counter.peak
+    return counter.peak_bytes - counter.entry_bytes
 
 
 def test_chunked_peak_memory_below_hf():

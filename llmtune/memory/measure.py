@@ -223,6 +223,7 @@ class PeakMemoryTracker:
         self._cuda_start = 0
         self._cuda_peak_after_exit: int | None = None
         self._final_bytes: int | None = None  # live bytes at exit (CPU)
+        self.entry_bytes = 0  # live bytes at entry (the baseline); peak_bytes - entry_bytes is the growth
 
     @property
     def is_cuda(self) -> bool:
@@ -236,11 +237,13 @@ class PeakMemoryTracker:
                 torch.cuda.set_per_process_memory_fraction(min(1.0, self.limit_bytes / total), self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_peak_after_exit = None
+            self.entry_bytes = torch.cuda.memory_allocated(self.device)
             return self
         self._counter = LiveStorageCounter(limit_bytes=None)
         self._final_bytes = None
         for tag, t in iter_baseline_tensors(self.baseline):
             self._counter.register(t, tag)
+        self.entry_bytes = self._counter.current_bytes()
         # The limit applies from here on, so a baseline that is already over it fails at the
         # first op inside the region rather than in __enter__.
         self._counter.limit_bytes = self.limit_bytes
