@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Multi-node llmtune on SLURM: one `accelerate launch` per node, each starting one process per GPU.
 #   sbatch scripts/slurm_launch.sh recipes/NAME.yaml [key=value ...]
+# An example, not run here (no SLURM cluster in CI). llmtune workers checkpoint and exit 75 on SIGUSR1 or
+# SIGTERM reaching any of them; check on your cluster that the pre-emption signal reaches the workers
+# (e.g. `scancel --signal=USR1 --full JOBID`) and that `checkpoint.resume=auto` picks the run up after a requeue.
 #SBATCH --job-name=llmtune
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1          # one launcher per node; it starts the per-GPU processes
@@ -13,8 +16,8 @@ RECIPE=${1:?usage: sbatch scripts/slurm_launch.sh RECIPE [key=value ...]}; shift
 GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-8}
 MAIN_IP=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 
-# Forward the warning signal to the launchers (and on to every worker); llmtune coordinates the save.
-trap 'kill -USR1 $(jobs -p) 2>/dev/null' USR1
+# Pass the warning signal on to every process of the job step; llmtune coordinates the save across ranks.
+trap 'scancel --signal=USR1 --full "$SLURM_JOB_ID"' USR1
 
 srun --kill-on-bad-exit=1 bash -c "accelerate launch \
   --multi_gpu --num_machines $SLURM_NNODES --num_processes $((SLURM_NNODES * GPUS_PER_NODE)) \
