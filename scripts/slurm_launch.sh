@@ -17,7 +17,7 @@ GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-8}
 MAIN_IP=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 
 # Pass the warning signal on to every process of the job step; llmtune coordinates the save across ranks.
-trap 'scancel --signal=USR1 --full "$SLURM_JOB_ID"' USR1
+trap 'trap "" USR1; scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
 
 srun --kill-on-bad-exit=1 bash -c "accelerate launch \
   --multi_gpu --num_machines $SLURM_NNODES --num_processes $((SLURM_NNODES * GPUS_PER_NODE)) \
