@@ -80,7 +80,7 @@ def load_config(cfg: ModelConfig) -> PretrainedConfig:
     return AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
 
 
-def load_model(recipe: Recipe, precision: str) -> PreTrainedModel:
+def load_model(recipe: Recipe, precision: str, config: PretrainedConfig) -> PreTrainedModel:
     """Load (or randomly initialise) the model, enable checkpointing, wrap with adapters."""
     cfg = recipe.model
     # Mixed precision keeps fp32 master weights; autocast makes the bf16/fp16 copies on the fly.
@@ -96,7 +96,7 @@ def load_model(recipe: Recipe, precision: str) -> PreTrainedModel:
             bnb_4bit_compute_dtype=torch.bfloat16 if precision != "fp16" else torch.float16,
         )
     if cfg.random_init:
-        model = AutoModelForCausalLM.from_config(load_config(cfg), **kwargs)
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, revision=cfg.revision, **kwargs)
     # A KV cache is useless in training, costs memory, and lets packed examples attend to each other.

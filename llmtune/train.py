@@ -183,11 +183,12 @@ def make_accelerator(recipe: Recipe) -> tuple[Accelerator, str]:
 
 def build(recipe: Recipe) -> Run:
     accelerator, precision = make_accelerator(recipe)
+    resume_from = checkpoint_to_resume(recipe)
     set_seed(recipe.seed)
     tokenizer = load_tokenizer(recipe.model)
     data = prepare_data(recipe.data, tokenizer, seed=recipe.seed, main_process_first=accelerator.main_process_first)
     config = load_config(recipe.model)
-    model = load_model(recipe, precision)
+    model = load_model(recipe, precision, config)
     loss_impl = resolve_loss_impl(recipe.training.loss, config)
     plan = make_plan(recipe, config, precision, loss_impl, accelerator)
     wrapped = CausalLMWithLoss(model, loss_impl)
@@ -214,7 +215,8 @@ def build(recipe: Recipe) -> Run:
         flops_per_token=flops_per_token(config, trainable, total, recipe.data.max_length),
         peak_flops=measure_peak_flops(accelerator.device, precision),
     )
-    resume(run)
+    if resume_from is not None:
+        resume(run, resume_from)
     log_setup(run, trainable, total)
     return run
 
@@ -253,8 +255,11 @@ def make_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch.op
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, recipe))
 
 
-def resume(run: Run) -> None:
-    r, acc = run.recipe, run.accelerator
+def checkpoint_to_resume(r: Recipe) -> Path | None:
+    """The checkpoint this run continues, or None; refuses a resume that would be a different run.
+
+    Called before anything heavy loads, so a refusal costs nothing.
+    """
     path = checkpoint.resolve_resume(r.output_dir, r.checkpoint.resume)
     if path is None:
         if r.checkpoint.resume == "none" and checkpoint.complete_checkpoints(r.output_dir):
@@ -263,7 +268,7 @@ def resume(run: Run) -> None:
                 f"{r.output_dir} already holds checkpoints of an earlier run and checkpoint.resume=none: set"
                 " checkpoint.resume=auto to continue it, or use another output_dir (or delete this one)"
             )
-        return
+        return None
     breaking, harmless = checkpoint.continuity_problems(checkpoint.saved_recipe(path), r.to_dict())
     if breaking:
         raise checkpoint.ResumeError(
@@ -273,7 +278,11 @@ def resume(run: Run) -> None:
         )
     for change in harmless:
         log.info("resume: recipe changed %s", change)
-    state = checkpoint.load_checkpoint(acc, path, trainable_only=r.peft.method != "none")
+    return path
+
+
+def resume(run: Run, path: Path) -> None:
+    state = checkpoint.load_checkpoint(run.accelerator, path, trainable_only=run.recipe.peft.method != "none")
     run.start_step = state["step"]
     run.counters.update(state["counters"])
     run.plan = BatchPlan(**state["plan"])
