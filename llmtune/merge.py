@@ -227,9 +227,9 @@ def _merge_checkpoint(ckpt: Path, dtype: str):
         trust_remote_code=recipe.model.trust_remote_code,
     )
     model = apply_peft(model, recipe.peft, gradient_checkpointing=False)
-    # Keys are those of the wrapped CausalLMWithLoss ("model." + peft's names; "_orig_mod." if compiled).
+    # Keys are those of the wrapped CausalLMWithLoss ("model." + peft's names).
     # Under PEFT a checkpoint holds only the trainable tensors; the frozen base came from name_or_path.
-    state = {k.removeprefix("_orig_mod.").removeprefix("model."): v for k, v in load_file(weights).items()}
+    state = {k.removeprefix("model."): v for k, v in load_file(weights).items()}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k in trainable]

@@ -105,7 +105,34 @@ def load_model(recipe: Recipe, precision: str, config: PretrainedConfig) -> PreT
         enable_gradient_checkpointing(model)
     if recipe.peft.method != "none":
         model = apply_peft(model, recipe.peft, gradient_checkpointing=recipe.training.gradient_checkpointing)
+    if recipe.training.compile:
+        compile_blocks(model)
     return model
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """torch.compile each repeated decoder block in place ("regional" compilation); returns how many.
+
+    The blocks are the classes transformers never splits across devices (`_no_split_modules`, e.g.
+    LlamaDecoderLayer). All blocks share one compiled graph, so compile time is that of one block, not of
+    the whole model; `Module.compile` keeps module names and state-dict keys unchanged (checkpoints and
+    adapters load either way), and checkpointing wraps the compiled block as it wraps an eager one. The
+    loss (data-dependent chunking) and the embeddings stay eager. Measured on 2 CPU cores, h=512 Llama,
+    bf16: 1.25x tokens/s without checkpointing, 1.07x with it, after a one-off 15-35 s compile
+    (docs/speed.md).
+    """
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(hf_model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise SetupError(
+            f"training.compile: found no decoder blocks to compile in {type(hf_model).__name__}"
+            " (no _no_split_modules); set training.compile: false"
+        )
+    for block in blocks:
+        block.compile()
+    log.info("compiled %d %s blocks (torch.compile, one shared graph)", len(blocks), type(blocks[0]).__name__)
+    return len(blocks)
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:

@@ -75,7 +75,9 @@ class DataConfig:
     eval: list[SourceConfig] = doc("Evaluation sources; empty means use eval_fraction of train.", factory=list)
     eval_fraction: float = doc("Fraction of train held out for eval when no eval source is given.", 0.0)
     max_length: int = doc("Longest sequence in tokens; longer examples follow `overlong`.", 512)
-    packing: bool = doc("Pack several examples per row (no attention across examples).", False)
+    packing: bool = doc(
+        "Pack several examples per row (no attention across examples): no padding, more trained tokens/s.", True
+    )
     train_on: Literal["completion", "all"] = doc(
         "Train only on completions / assistant turns, or on every token.", "completion"
     )
@@ -92,7 +94,11 @@ class TrainingConfig:
         " else fp32.",
         "auto",
     )
-    gradient_checkpointing: bool = doc("Recompute activations in backward to save memory.", False)
+    gradient_checkpointing: bool = doc(
+        "Recompute activations in backward: a fraction of the activation memory for ~15-30% more compute"
+        " (less with bf16, whose faster matmuls pay for the recompute).",
+        True,
+    )
     micro_batch_size: int | Literal["auto"] = doc(
         "Examples per forward pass per process; `auto` lets the memory planner choose.", "auto"
     )
@@ -113,7 +119,11 @@ class TrainingConfig:
     )
     eval_every_n_steps: int = doc("Evaluate every N steps (0: only at the end) when there is eval data.", 0)
     max_nonfinite_steps: int = doc("Stop after this many consecutive non-finite losses.", 3)
-    compile: bool = doc("torch.compile the model.", False)
+    compile: bool = doc(
+        "torch.compile each decoder block (one shared graph): faster steps after a one-off compile at step 1."
+        " On CPU, memory figures are those of the eager step (Dynamo steps aside while they are measured).",
+        False,
+    )
 
 
 @dataclass(frozen=True)

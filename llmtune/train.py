@@ -192,8 +192,6 @@ def build(recipe: Recipe) -> Run:
     loss_impl = resolve_loss_impl(recipe.training.loss, config)
     plan = make_plan(recipe, config, precision, loss_impl, accelerator)
     wrapped = CausalLMWithLoss(model, loss_impl)
-    if recipe.training.compile:
-        wrapped = torch.compile(wrapped)
     optimizer = make_optimizer(wrapped, recipe, accelerator.device)
     scheduler = make_scheduler(optimizer, recipe)
     wrapped, optimizer = accelerator.prepare(wrapped, optimizer)
@@ -440,8 +438,8 @@ def train_step(run: Run, examples: list[dict]) -> tuple[float, int, int, float] 
     # over processes, hence the factor num_processes.
     trained = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
     processed = sum(len(e["input_ids"]) for e in examples)  # real tokens, padding excluded (for MFU)
-    counts = acc.reduce(torch.tensor([trained, processed], device=acc.device), reduction="sum")
-    total, processed = int(counts[0]), int(counts[1])
+    # As Python ints: no bookkeeping tensor stays alive through the window's forwards and backwards.
+    total, processed = acc.reduce(torch.tensor([trained, processed], device=acc.device), reduction="sum").tolist()
     scale = acc.num_processes / max(total, 1)
     loss_sum = torch.zeros((), device=acc.device)
     oom = False

@@ -58,7 +58,10 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "vs_h
 TRACKED_STEPS = 3  # llmtune measures memory on steps 1-3 on CPU; the HF callback does the same
 GLOBAL_BATCH = 8
 IDENTICAL_MICRO = 4
-TARGETS = {"identical": (1.0, 1.0), "defaults": (1.5, 0.6)}  # (tokens/s ratio >=, memory ratio <=)
+# (tokens/s ratio >=, memory ratio <=); `compiled` has no target of its own: it is defaults + each tool's
+# compile switch, reported beside the others.
+TARGETS = {"identical": (1.0, 1.0), "defaults": (1.5, 0.6), "compiled": (1.5, 0.6)}
+MODES = list(TARGETS)
 CHATML = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -169,7 +172,7 @@ def merge(into: dict, new: dict) -> dict:
 # ---------------------------------------------------------------- llmtune trial
 
 
-def run_llmtune(recipe: dict, tmp: Path) -> dict:
+def run_llmtune(recipe: dict, tmp: Path, *, skip: int = 0) -> dict:
     from llmtune.recipe import load_recipe
     from llmtune.train import build, fit
 
@@ -179,11 +182,12 @@ def run_llmtune(recipe: dict, tmp: Path) -> dict:
     summary = fit(run)
     records = [json.loads(x) for x in (Path(recipe["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
-    timed = [r for r in steps if r["step"] > TRACKED_STEPS]
+    timed = [r for r in steps if r["step"] > TRACKED_STEPS + skip]
     result = {
         "micro_batch_size": summary["micro_batch_size"],
         "grad_accum_steps": summary["grad_accum_steps"],
         "gradient_checkpointing": summary["gradient_checkpointing"],
+        "compile": run.recipe.training.compile,
         "peak_memory_bytes": summary["peak_memory_bytes"],
         "tokens_per_s": sum(r["trained_tokens"] for r in timed) / sum(r["seconds"] for r in timed),
         "step_tokens_per_s": [r["trained_tokens"] / r["seconds"] for r in timed],
@@ -235,7 +239,7 @@ def hf_dataset(recipe: dict, tmp: Path, steps: int):
 
 def run_hf(
     assets: dict, tokenizer, ds, trained: list[int], *, micro: int, checkpointing: bool, optim: str, steps: int,
-    seed: int, tmp: Path, profile_step: int | None = None,
+    seed: int, tmp: Path, profile_step: int | None = None, compile: bool = False, skip: int = 0,
 ) -> dict:  # fmt: skip
     from accelerate.state import AcceleratorState
     from torch.utils.data import SequentialSampler
@@ -314,6 +318,7 @@ def run_hf(
         seed=seed,
         dataloader_num_workers=0,
         use_cpu=True,  # without it, bf16=True on a GPU-less machine is refused
+        torch_compile=compile,
     )
     trainer = InOrder(
         model=model,
@@ -324,11 +329,13 @@ def run_hf(
     )
     trainer.train()
     hook.remove()
-    timed = [s for s in measure.seconds if s > TRACKED_STEPS and s != profile_step]  # profiling slows a step
+    # Profiling slows a step; the first untracked step of a compiled model compiles.
+    timed = [s for s in measure.seconds if s > TRACKED_STEPS + skip and s != profile_step]
     result = {
         "micro_batch_size": micro,
         "grad_accum_steps": GLOBAL_BATCH // micro,
         "gradient_checkpointing": checkpointing,
+        "compile": compile,
         "optim": optim,
         "peak_memory_bytes": max(v for k, v in measure.peaks.items() if k > 1),
         "tokens_per_s": sum(trained[s - 1] for s in timed) / sum(measure.seconds[s] for s in timed),
@@ -423,13 +430,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--budget", default="2GiB", help="memory budget of the defaults mode")
-    p.add_argument("--modes", nargs="+", default=["identical", "defaults"], choices=["identical", "defaults"])
+    p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     p.add_argument("--profile", action="store_true", help="torch.profiler on one timed step of each trial")
     p.add_argument("--output", type=Path, default=RESULTS)
     a = p.parse_args(argv)
     rounds = a.rounds or (1 if a.quick else 2)
     timed = a.timed_steps or (3 if a.quick else 5)
     steps = TRACKED_STEPS + timed
+    skip = {mode: int(mode == "compiled") for mode in MODES}  # the first compiled step compiles: not timed
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoConfig
@@ -470,11 +478,11 @@ def main(argv: list[str] | None = None) -> dict:
         config = AutoConfig.from_pretrained(assets["model_dir"])
         results["settings"]["tokenizer_vocab"] = assets["tokenizer_vocab"]
         base = base_recipe(assets, tmp / "run", max_length=a.max_length, steps=steps, seed=0)
-        tokenizer, ds, trained = hf_dataset(base, tmp, steps)
+        tokenizer, ds, trained = hf_dataset(base, tmp, steps + 1)
         lengths = [len(x) for x in ds["input_ids"]]
         results["settings"]["example_tokens"] = {"mean": statistics.mean(lengths), "max": max(lengths)}
 
-        # What each side runs, per mode: (llmtune recipe overrides, HF kwargs).
+        # What each side runs, per mode: (llmtune recipe overrides, HF kwargs, note).
         trials: dict[str, tuple[dict, dict, dict]] = {}
         if "identical" in a.modes:
             trials["identical"] = (
@@ -483,10 +491,10 @@ def main(argv: list[str] | None = None) -> dict:
                 {"micro": IDENTICAL_MICRO, "checkpointing": False, "optim": "adamw_torch_fused"},
                 {},
             )  # fmt: skip
-        if "defaults" in a.modes:
-            note = {}
-            micro, how = "auto", "training.micro_batch_size=auto, planned by the loop"
-            note["llmtune_micro_batch_from"] = how
+        if {"defaults", "compiled"} & set(a.modes):
+            note: dict[str, Any] = {
+                "llmtune": "recipe defaults + memory.budget; micro_batch_size auto, planned by the loop"
+            }
             hf_choice, tried = None, []
             for m, ckpt in hf_user_sequence():
                 pred = estimate_peak(config, micro=m, seq_len=a.max_length, checkpointing=ckpt, loss="hf",
@@ -498,12 +506,17 @@ def main(argv: list[str] | None = None) -> dict:
             note["hf_settings_tried"] = tried
             if hf_choice is None:
                 raise SystemExit(f"no HF setting fits {a.budget}")
-            trials["defaults"] = (
-                {"data": {"packing": True}, "training": {"micro_batch_size": micro, "loss": "auto"},
-                 "memory": {"budget": a.budget}},
-                {"micro": hf_choice[0], "checkpointing": hf_choice[1], "optim": "adamw_torch_fused"},
-                note,
-            )  # fmt: skip
+            hf_defaults = {"micro": hf_choice[0], "checkpointing": hf_choice[1], "optim": "adamw_torch_fused"}
+            if "defaults" in a.modes:
+                # llmtune: its recipe defaults (packing, checkpointing, `loss: auto`, `micro_batch_size: auto`)
+                # and the budget, nothing else.
+                trials["defaults"] = ({"memory": {"budget": a.budget}}, dict(hf_defaults), note)
+            if "compiled" in a.modes:
+                trials["compiled"] = (
+                    {"memory": {"budget": a.budget}, "training": {"compile": True}},
+                    {**hf_defaults, "compile": True},
+                    {**note, "compile": "llmtune: training.compile (each decoder block); HF: torch_compile=True"},
+                )
 
         per_round: dict[str, list[dict]] = {mode: [] for mode in trials}
         # Round -1 warms the process up and is discarded: the first trial of a process runs ~1.5x slower
@@ -519,13 +532,14 @@ def main(argv: list[str] | None = None) -> dict:
                     if side == "llmtune":
                         recipe = merge(json.loads(json.dumps(base)), over)
                         recipe["output_dir"] = str(tmp / f"run-{mode}-{rnd}")
-                        pair[side] = run_llmtune(recipe, tmp)
+                        recipe["training"]["max_steps"] = steps + skip[mode]
+                        pair[side] = run_llmtune(recipe, tmp, skip=skip[mode])
                         if prof_step:
                             pair[side]["profile"] = profile_llmtune(recipe, tmp)
                     else:
                         while True:
-                            res = run_hf(assets, tokenizer, ds, trained, steps=steps, seed=0, tmp=tmp,
-                                         profile_step=prof_step, **hf_kwargs)  # fmt: skip
+                            res = run_hf(assets, tokenizer, ds, trained, steps=steps + skip[mode], seed=0, tmp=tmp,
+                                         profile_step=prof_step, skip=skip[mode], **hf_kwargs)  # fmt: skip
                             if mode != "defaults" or res["peak_memory_bytes"] <= budget:
                                 break
                             # Measured over the budget (an OOM for a real budget): the user's next setting.
@@ -563,15 +577,18 @@ def main(argv: list[str] | None = None) -> dict:
             "targets": {"tokens_per_s_ratio_min": speed_target, "memory_ratio_max": mem_target},
             "met": {"speed": speed >= speed_target, "memory": mem <= mem_target},
         }
-    mfus = [pr["llmtune"]["mfu"] for prs in per_round.values() for pr in prs]
+    # MFU: the median over rounds per mode; the target is judged on the best mode's median.
+    per_mode = {mode: statistics.median(pr["llmtune"]["mfu"] for pr in prs) for mode, prs in per_round.items()}
+    best_mode = max(per_mode, key=per_mode.get)
     pf = results["peak_flops_check"]
     best_peak = max(pf["bf16_2048"], pf["bf16_4096"], pf["llmtune_measure_peak_flops"])
-    mfu = max(mfus)
     results["mfu"] = {
-        "llmtune_reported": mfu,
-        "against_best_measured_peak": mfu * pf["llmtune_measure_peak_flops"] / best_peak,
+        "per_mode_median": per_mode,
+        "best_mode": best_mode,
+        "llmtune_reported": per_mode[best_mode],
+        "against_best_measured_peak": per_mode[best_mode] * pf["llmtune_measure_peak_flops"] / best_peak,
         "target": 0.5,
-        "met": mfu >= 0.5,
+        "met": per_mode[best_mode] >= 0.5,
     }
     results["machine"]["load_avg_end"] = os.getloadavg()
     results["seconds"] = time.perf_counter() - started
@@ -635,7 +652,8 @@ def print_table(results: dict) -> None:
         f"{pf['bf16_2048'] / 1e9:.0f} G, 4096^3 {pf['bf16_4096'] / 1e9:.0f} G"
     )
     print(
-        f"MFU (llmtune, best trial) {mfu['llmtune_reported']:.1%} of its measured peak; "
+        f"MFU (llmtune, median over rounds, best mode: {mfu['best_mode']}) {mfu['llmtune_reported']:.1%} of its"
+        " measured peak; "
         f"{mfu['against_best_measured_peak']:.1%} of the best peak measured; target >= 50%"
         f" {'met' if mfu['met'] else 'MISSED'}"
     )

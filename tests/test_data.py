@@ -34,8 +34,9 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def config(*sources: SourceConfig, **kw) -> DataConfig:
-    return DataConfig(train=list(sources), **kw)
+def config(*sources: SourceConfig, packing: bool = False, **kw) -> DataConfig:
+    # Most tests here look at examples one by one; the packing tests ask for packing.
+    return DataConfig(train=list(sources), packing=packing, **kw)
 
 
 def trained_ids(ids: list[int], labels: list[int]) -> list[int]:
@@ -297,7 +298,7 @@ def test_eval_fraction_split_is_deterministic_and_disjoint(tmp_path, tokenizer):
 def test_eval_source_is_used_as_given(tmp_path, tokenizer):
     train = SourceConfig(path=str(write_jsonl(tmp_path / "a.jsonl", PC_ROWS)))
     held = SourceConfig(path=str(write_jsonl(tmp_path / "b.jsonl", PC_ROWS[:3])))
-    prepared = prepare_data(DataConfig(train=[train], eval=[held], eval_fraction=0.5), tokenizer, seed=0)
+    prepared = prepare_data(config(train, eval=[held], eval_fraction=0.5), tokenizer, seed=0)
     assert len(prepared.train) == len(PC_ROWS) and len(prepared.eval) == 3
 
 

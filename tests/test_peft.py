@@ -15,7 +15,7 @@ import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from llmtune.cli import main
-from llmtune.data import collate
+from llmtune.data import batch_for_step, collate
 from llmtune.merge import MergeError, add_merge_parser, merge_run, save_base_weights
 from llmtune.model import count_parameters
 from llmtune.recipe import load_recipe
@@ -112,6 +112,20 @@ def peft_model(run):
     return run.accelerator.unwrap_model(run.model).model
 
 
+def first_batch_loss(run) -> float:
+    """Loss per trained token of the run's step-1 batch under the current weights (dropout off)."""
+    examples = batch_for_step(
+        run.data.train, step=0, global_batch_size=run.recipe.training.global_batch_size, seed=run.recipe.seed,
+        rank=0, world_size=1, group_by_length=run.recipe.data.group_by_length,
+    )  # fmt: skip
+    batch = collate(examples, pad_token_id=run.tokenizer.pad_token_id, packed=run.data.packed)
+    run.model.eval()
+    with torch.no_grad():
+        loss = float(run.model(**batch)) / int((batch["labels"][:, 1:] != -100).sum())
+    run.model.train()
+    return loss
+
+
 def losses(run_dir: Path) -> list[float]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [m["loss"] for m in map(json.loads, lines) if "loss" in m]
@@ -156,7 +170,9 @@ def test_adapters_train_only_their_parameters(trained, base_dir, method, checkpo
 
     seen = losses(Path(run.recipe.output_dir))
     assert len(seen) == STEPS and all(torch.isfinite(torch.tensor(seen)))
-    assert sum(seen[-3:]) / 3 < seen[0] - 0.2, seen
+    # The adapters learned: step 1's batch, whose loss step 1 logged before any update, now scores lower.
+    # (Later steps' losses are on other batches: too noisy to compare at this size.)
+    assert first_batch_loss(run) < seen[0] - 0.2, seen
 
 
 def test_final_holds_the_adapter_only(trained, base_dir):

@@ -82,7 +82,32 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_recipe, tmp_path):
     accumulated = trained_weights(recipe, "training.micro_batch_size=2", f"output_dir={tmp_path / 'a'}")
     one_batch = trained_weights(recipe, "training.micro_batch_size=8", f"output_dir={tmp_path / 'b'}")
     for name, value in accumulated.items():
-        torch.testing.assert_close(value, one_batch[name], rtol=1e-5, atol=1e-6, msg=name)
+        # atol 1e-5 against steps of up to lr=1e-3: Adam turns a float-rounding difference in a near-zero
+        # gradient into a ~1e-6 weight difference (seen with packed rows), a wrong weighting into ~1e-4.
+        torch.testing.assert_close(value, one_batch[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_compile_runs_compiled_blocks_and_matches_eager(tiny_recipe, tmp_path):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    losses, keys = {}, {}
+    for compiled in (False, True):
+        out = tmp_path / f"compile-{compiled}"
+        recipe = tiny_recipe(
+            training__compile=compiled, training__max_steps=5, logging__every_n_steps=5, output_dir=str(out)
+        )
+        assert main(["train", "--recipe", str(recipe)]) == 0
+        losses[compiled] = [m["loss"] for m in read_metrics(out) if "loss" in m]
+        keys[compiled] = set(AutoModelForCausalLM.from_pretrained(out / "final").state_dict())
+    # Dynamo really compiled: it steps aside on CPU steps whose memory is tracked (1-3 and logged ones), step 4 ran
+    # compiled ...
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+    # ... the same training in fp32 up to kernel rounding, and checkpoints with the eager names.
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-4, atol=0)
+    assert keys[True] == keys[False]
 
 
 def test_checkpointing_lowers_measured_peak_memory(tiny_recipe, tmp_path):
@@ -107,7 +132,7 @@ def test_auto_micro_batch_fits_the_budget_and_keeps_the_global_batch(tiny_recipe
     from llmtune.memory.estimate import estimate
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
-    settings = dict(seq_len=48, precision="fp32", gradient_checkpointing=False, loss="chunked", device="cpu")
+    settings = dict(seq_len=48, precision="fp32", gradient_checkpointing=True, loss="chunked", device="cpu")
     at = {m: estimate(config, micro_batch_size=m, grad_accum_steps=8 // m, **settings).peak_bytes for m in (2, 4)}
     budget = (at[2] + at[4]) // 2  # 2 fits, 4 does not
     recipe = tiny_recipe(training__micro_batch_size="auto", memory__budget=str(budget), training__loss="chunked")

@@ -202,7 +202,8 @@ class PeakMemoryTracker:
     parameters, grads and states; tensors) or used by an op inside the region; anything else
     alive outside is invisible. On CUDA it is `torch.cuda.max_memory_allocated()` since entry,
     which counts every allocation of the process (the baseline is implicit) but not the CUDA
-    context, cuBLAS workspace or allocator fragmentation.
+    context, cuBLAS workspace or allocator fragmentation. On CPU, torch.compile'd code runs eagerly
+    inside the region: the figure is that of the eager step.
 
     `limit_bytes` makes the budget real: on CPU a `torch.OutOfMemoryError` is raised as soon as
     live bytes exceed it; on CUDA the process is capped with
@@ -222,6 +223,7 @@ class PeakMemoryTracker:
         self._counter: LiveStorageCounter | None = None
         self._cuda_start = 0
         self._cuda_peak_after_exit: int | None = None
+        self._eager: Any = None  # the force_eager stance held while counting on CPU
         self._final_bytes: int | None = None  # live bytes at exit (CPU)
         self.entry_bytes = 0  # live bytes at entry (the baseline); peak_bytes - entry_bytes is the growth
 
@@ -247,6 +249,10 @@ class PeakMemoryTracker:
         # The limit applies from here on, so a baseline that is already over it fails at the
         # first op inside the region rather than in __enter__.
         self._counter.limit_bytes = self.limit_bytes
+        # Compiled code hides its allocations from a dispatch mode, and Dynamo meeting a frame under one
+        # marks that frame "skip" for good (the run would never compile). Counting needs eager ops anyway.
+        self._eager = torch.compiler.set_stance("force_eager")
+        self._eager.__enter__()
         self._counter.__enter__()
         return self
 
@@ -259,6 +265,7 @@ class PeakMemoryTracker:
             return
         assert self._counter is not None
         self._counter.__exit__(*exc)
+        self._eager.__exit__(*exc)
         self._final_bytes = self._counter.current_bytes()
         self._counter.limit_bytes = None
         self._counter.stop()
