@@ -1,12 +1,15 @@
 """What a run reports: metrics.jsonl, Accelerate trackers, the progress bar, MFU.
 
-MFU = model FLOPs per second / the device's peak. Model FLOPs per processed token (every real token
-the model runs, prompts included, padding not) follow the PaLM
-appendix: 6 x (non-embedding) parameters for the forward and backward matmuls, plus 12 x layers x
-hidden x sequence for attention scores — the *model's* work, so recomputation under gradient
-checkpointing does not count (it costs time and lowers MFU, which is the point of measuring it). Under
-LoRA the frozen weights need no weight gradients: 4 x frozen + 6 x trainable parameters. The peak is
-measured, not looked up: a few large matmuls in the training dtype, timed at start.
+MFU = model FLOPs per second / the device's peak. Model FLOPs follow the PaLM appendix — 6 x parameters
+for the forward and backward matmuls, plus 12 x layers x hidden x sequence for attention scores — split
+by what each token needs:
+- every processed token (real tokens, prompts included, padding not) runs the decoder: 6 x its
+  parameters (4 x for frozen ones under LoRA, which need no weight gradient) + attention;
+- only trained tokens (those with a label) need the output projection: 6 x vocab x hidden (4 x when
+  frozen). The chunked loss computes no logits for the others; HF's loss does, and that work is waste,
+  not model FLOPs. The input embedding is a lookup and counts nothing; a tied head counts as a head.
+Recomputation under gradient checkpointing does not count (it costs time and lowers MFU, which is the
+point of measuring it). The peak is measured, not looked up: large matmuls in the training dtype.
 """
 
 from __future__ import annotations
@@ -47,14 +50,18 @@ def check_trackers(names: list[str]) -> None:
             raise TrackerError(f"logging.report_to names {name!r}, which is not installed: pip install {name}")
 
 
-def flops_per_token(config: Any, trainable: int, total: int, seq_len: int) -> float:
-    """Model FLOPs per processed token (forward + backward); see the module docstring."""
-    embedding = config.vocab_size * config.hidden_size
-    frozen = total - trainable
-    # Input embeddings are a lookup, not a matmul; the output projection is a matmul (counted).
-    matmul_params_trainable = trainable - (embedding if trainable == total else 0)
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> tuple[float, float]:
+    """(model FLOPs per processed token, extra FLOPs per trained token), forward + backward; see the
+    module docstring. `model` is a transformers causal LM or a peft model around one."""
+    config = model.config.get_text_config()
+    embedding = {id(p) for p in model.get_input_embeddings().parameters()}
+    head = list(model.get_output_embeddings().parameters())
+    head_ids = {id(p) for p in head}
+    body = [p for p in model.parameters() if id(p) not in embedding | head_ids]  # tied weights come once
+    decoder = sum((6 if p.requires_grad else 4) * p.numel() for p in body)
     attention = 12 * config.num_hidden_layers * config.hidden_size * seq_len
-    return 6 * matmul_params_trainable + 4 * frozen + attention
+    head_flops = (6 if any(p.requires_grad for p in head) else 4) * config.vocab_size * config.hidden_size
+    return float(decoder + attention), float(head_flops)
 
 
 def measure_peak_flops(device: torch.device, precision: str, size: int = 2048, repeats: int = 5) -> float:

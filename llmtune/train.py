@@ -67,7 +67,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     plan: BatchPlan
-    flops_per_token: float
+    flops_per_token: tuple[float, float]  # per processed token, per trained token (metrics.flops_per_token)
     peak_flops: float
     start_step: int = 0
     counters: dict[str, int] = field(default_factory=lambda: {"trained_tokens": 0, "skipped_steps": 0})
@@ -210,7 +210,7 @@ def build(recipe: Recipe) -> Run:
         optimizer=optimizer,
         scheduler=scheduler,
         plan=plan,
-        flops_per_token=flops_per_token(config, trainable, total, recipe.data.max_length),
+        flops_per_token=flops_per_token(model, recipe.data.max_length),
         peak_flops=measure_peak_flops(accelerator.device, precision),
     )
     if resume_from is not None:
@@ -399,7 +399,7 @@ def fit(run: Run) -> dict[str, Any]:
                 trained_tokens=trained_tokens,
                 seconds=seconds,
                 tokens_per_s=trained_tokens / seconds,
-                mfu=processed_tokens * run.flops_per_token / seconds / run.peak_flops / acc.num_processes,
+                mfu=step_flops(run, processed_tokens, trained_tokens) / seconds / run.peak_flops / acc.num_processes,
                 peak_memory_bytes=peak,
                 skipped_steps=run.counters["skipped_steps"],
                 micro_batch_size=run.plan.micro_batch_size,
@@ -424,15 +424,29 @@ def fit(run: Run) -> dict[str, Any]:
     return summary
 
 
+def step_flops(run: Run, processed_tokens: int, trained_tokens: int) -> float:
+    per_processed, per_trained = run.flops_per_token
+    return processed_tokens * per_processed + trained_tokens * per_trained
+
+
+def collate_for(run: Run, examples: list[dict]) -> dict[str, torch.Tensor]:
+    # A compiled model recompiles for every new shape: packed rows are then padded to max_length (a fill
+    # of ~95% costs little), so every micro-batch has the shape the memory plan assumed.
+    static = run.data.packed and run.recipe.training.compile
+    return collate(
+        examples,
+        pad_token_id=run.tokenizer.pad_token_id,
+        packed=run.data.packed,
+        pad_to_multiple_of=run.recipe.data.max_length if static else None,
+    )
+
+
 def train_step(run: Run, examples: list[dict]) -> tuple[float, int, int, float] | None:
     """One optimizer step over this process's examples. Returns (loss per trained token, trained and
     processed tokens on all processes, grad norm), or None when any process ran out of memory (the plan
     was shrunk)."""
     acc, model, m = run.accelerator, run.model, run.plan.micro_batch_size
-    pad = run.tokenizer.pad_token_id
-    micro_batches = [
-        collate(examples[i : i + m], pad_token_id=pad, packed=run.data.packed) for i in range(0, len(examples), m)
-    ]
+    micro_batches = [collate_for(run, examples[i : i + m]) for i in range(0, len(examples), m)]
     # Loss is summed per token and divided by the trained tokens of the whole window on all processes,
     # so long and short examples weigh the same whatever the micro-batching. DDP averages gradients
     # over processes, hence the factor num_processes.
@@ -481,7 +495,7 @@ def evaluate(run: Run) -> float:
         run.data.eval, batch_size=run.plan.micro_batch_size, rank=acc.process_index, world_size=acc.num_processes
     )
     for examples in batches:
-        batch = collate(examples, pad_token_id=run.tokenizer.pad_token_id, packed=run.data.packed)
+        batch = collate_for(run, examples)
         tokens += (batch["labels"][:, 1:] != -100).sum()
         loss_sum += model(**{k: v.to(acc.device) for k, v in batch.items()}).float()
     model.train()

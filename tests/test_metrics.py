@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from llmtune.cli import main
-from llmtune.metrics import TRACKER_MODULES
+from llmtune.metrics import TRACKER_MODULES, flops_per_token
 from llmtune.plot import CURVES_FILE, PlotDependencyError, PlotError, add_plot_parser, plot_run, read_metrics
 
 STEP_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_bytes", "skipped_steps"}
@@ -75,6 +75,29 @@ def check_curves(run) -> None:
     assert paths == [run / CURVES_FILE]
     data = paths[0].read_bytes()
     assert data[:8] == PNG and len(data) > 10_000
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_flops_per_token_counts_the_head_per_trained_token_and_no_lookup(tied):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    h, inter, layers, vocab, kv, seq = 64, 160, 2, 500, 2, 32
+    config = LlamaConfig(
+        hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    head_dim = h // 4
+    # q, o: h x h; k, v: h x kv*head_dim; gate, up, down: h x inter; two RMSNorm weights per layer + the final one.
+    per_layer = 2 * h * h + 2 * h * kv * head_dim + 3 * h * inter + 2 * h
+    body = layers * per_layer + h
+    attention = 12 * layers * h * seq
+    assert flops_per_token(model, seq) == (6 * body + attention, 6 * vocab * h)
+
+    lora = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    adapters = layers * 2 * (h + h)  # A: 2 x h, B: h x 2 per q_proj
+    assert flops_per_token(lora, seq) == (4 * body + 6 * adapters + attention, 4 * vocab * h)
 
 
 def test_unknown_tracker_is_refused_at_start(tiny_recipe, tmp_path, capsys):
