@@ -121,7 +121,8 @@ class MetricsLogger:
         pool = self._steady if steady else self._other
         pool[0] += values["trained_tokens"]
         pool[1] += values["seconds"]
-        record = {"step": step, **values}
+        # Wall clock at the end of the step: differences between steps cover the whole loop (data, logging).
+        record = {"step": step, **values, "time": time.time()}
         self._write(record)
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['tokens_per_s']:.0f}", refresh=False)
@@ -142,7 +143,8 @@ class MetricsLogger:
         if self._file:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
-        self.acc.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
+        values = {k: v for k, v in record.items() if k not in ("step", "time") and v is not None}
+        self.acc.log(values, step=record["step"])
 
     def tokens_per_s(self) -> float:
         """Steady-state trained tokens per second (see log_step); all steps when none qualified (short runs)."""

@@ -120,7 +120,7 @@ class TrainingConfig:
     eval_every_n_steps: int = doc("Evaluate every N steps (0: only at the end) when there is eval data.", 0)
     max_nonfinite_steps: int = doc("Stop after this many consecutive non-finite losses.", 3)
     compile: bool = doc(
-        "torch.compile each decoder block (one shared graph): faster steps after a one-off compile at step 1."
+        "torch.compile each decoder block (one shared graph): faster steps after a one-off compile in the first steps."
         " On CPU, memory figures are those of the eager step (Dynamo steps aside while they are measured).",
         False,
     )

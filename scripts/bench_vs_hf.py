@@ -25,11 +25,11 @@ Modes:
 
 Per trial: peak memory is the steady-state peak of live tensor bytes (`PeakMemoryTracker`, steps 2-3:
 step 1 allocates AdamW's states); tokens/s is the median over the timed steps of trained (label != -100)
-tokens / step time. Timed are the steps after the tracked ones (the tracker slows a CPU step down);
-compiled modes also skip two steps that compile, and the median keeps a later recompile (a new mask type or
-shape: both tools meet some) or a busy moment of the machine from deciding the figure. llmtune times a
-step from collation to `zero_grad`; HF from `on_step_begin` to `on_step_end` (its collation for the window
-happens just before on_step_begin, so HF's figure leaves collation out). MFU is llmtune's model FLOPs
+tokens / step time, a step's time running from the end of the step before to its own end: the whole loop,
+data loading, collation and logging included, for both tools (llmtune: metrics.jsonl's `time`; HF:
+on_step_end). Timed are the steps after the tracked ones (the tracker slows a CPU step down); compiled
+modes also skip two steps that compile, and the median keeps a later recompile (a new mask type or shape:
+both tools meet some) or a busy moment of the machine from deciding the figure. MFU is llmtune's model FLOPs
 (`metrics.flops_per_token`) against the highest bf16 matmul peak measured in the run (each trial's own
 measurement, 2048^3 and 4096^3).
 
@@ -196,6 +196,8 @@ def run_llmtune(recipe: dict, tmp: Path, *, skip: int = 0) -> dict:
     summary = fit(run)
     records = [json.loads(x) for x in (Path(recipe["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
+    # A step's time: from the end of the one before to its own end (the whole loop, as for HF below).
+    wall = {r["step"]: r["time"] - prev["time"] for prev, r in zip(steps, steps[1:], strict=False)}
     timed = [r for r in steps if r["step"] > TRACKED_STEPS + skip]
     result = {
         "micro_batch_size": summary["micro_batch_size"],
@@ -203,8 +205,9 @@ def run_llmtune(recipe: dict, tmp: Path, *, skip: int = 0) -> dict:
         "gradient_checkpointing": summary["gradient_checkpointing"],
         "compile": run.recipe.training.compile,
         "peak_memory_bytes": summary["peak_memory_bytes"],
-        "step_tokens_per_s": [r["trained_tokens"] / r["seconds"] for r in timed],
-        "mfu": statistics.median(r["mfu"] for r in timed),
+        "step_tokens_per_s": [r["trained_tokens"] / wall[r["step"]] for r in timed],
+        # The loop's own MFU times train_step only; scaled to the whole-loop step time like tokens/s.
+        "mfu": statistics.median(r["mfu"] * r["seconds"] / wall[r["step"]] for r in timed),
         "peak_flops_measured": run.peak_flops,
         "flops_per_token": run.flops_per_token,
         "losses": [r["loss"] for r in steps],
@@ -276,7 +279,7 @@ def run_hf(
 
     class Measure(TrainerCallback):
         def __init__(self):
-            self.seconds, self.peaks, self.losses, self.tracker, self.t0 = {}, {}, [], None, 0.0
+            self.ends, self.peaks, self.losses, self.tracker = {}, {}, [], None
             self.autocast, self.prof = None, None
 
         def on_step_begin(self, args, state, control, model=None, optimizer=None, **kw):
@@ -286,17 +289,16 @@ def run_hf(
                 self.tracker.__enter__()
             if step == profile_step:
                 self.prof = make_profiler().__enter__()
-            self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             step = state.global_step
-            self.seconds[step] = time.perf_counter() - self.t0
             if self.prof is not None:
                 self.prof.__exit__(None, None, None)
                 self.profile, self.prof = self.prof, None
             if self.tracker is not None:
                 self.tracker.__exit__(None, None, None)
                 self.peaks[step], self.tracker = self.tracker.peak_bytes, None
+            self.ends[step] = time.perf_counter()  # after the tracker's exit: its cost stays out of step + 1
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
@@ -345,7 +347,9 @@ def run_hf(
     trainer.train()
     hook.remove()
     # Profiling slows a step; the first untracked step of a compiled model compiles.
-    timed = [s for s in measure.seconds if s > TRACKED_STEPS + skip and s != profile_step]
+    # A step's time: from the end of the one before to its own end (data loading, collation, callbacks).
+    seconds = {s: measure.ends[s] - measure.ends[s - 1] for s in measure.ends if s - 1 in measure.ends}
+    timed = [s for s in seconds if s > TRACKED_STEPS + skip and s != profile_step]
     result = {
         "micro_batch_size": micro,
         "grad_accum_steps": GLOBAL_BATCH // micro,
@@ -353,7 +357,7 @@ def run_hf(
         "compile": compile,
         "optim": optim,
         "peak_memory_bytes": max(v for k, v in measure.peaks.items() if k > 1),
-        "step_tokens_per_s": [trained[s - 1] / measure.seconds[s] for s in timed],
+        "step_tokens_per_s": [trained[s - 1] / seconds[s] for s in timed],
         "losses": measure.losses,
         "trained_tokens_per_step": trained,
         "autocast_check": measure.autocast,

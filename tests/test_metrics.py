@@ -13,7 +13,7 @@ from llmtune.cli import main
 from llmtune.metrics import TRACKER_MODULES, flops_per_token
 from llmtune.plot import CURVES_FILE, PlotDependencyError, PlotError, add_plot_parser, plot_run, read_metrics
 
-STEP_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_bytes", "skipped_steps"}
+STEP_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_bytes", "skipped_steps", "time"}
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -46,6 +46,8 @@ def check_metrics_jsonl(run) -> None:
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["skipped_steps"] == 0
         # logging.every_n_steps=1: every step is logged, so on CPU every step is memory-tracked too.
         assert r["peak_memory_bytes"] > 0
+    ends = [r["time"] for r in steps]
+    assert ends == sorted(ends) and ends[-1] - ends[0] >= sum(r["seconds"] for r in steps[1:])
     evals = [r for r in lines if "eval_loss" in r]
     assert [r["step"] for r in evals][:2] == [2, 4]  # every 2 steps (then once more at the end)
     for r in evals:

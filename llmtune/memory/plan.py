@@ -85,9 +85,7 @@ def plan_micro_batch(
         raise MemoryPlanError(
             f"micro-batch 1 x {seq_len} tokens is predicted to peak at "
             f"{format_bytes(first.peak_bytes)} ({first.peak_phase}), over the budget of "
-            f"{format_bytes(budget_bytes)}. Try: gradient checkpointing, bf16 (or bf16-true), "
-            "LoRA, a chunked loss, a shorter max_length, or sharding (fsdp/zero) over more "
-            f"processes. Breakdown at the peak: "
+            f"{format_bytes(budget_bytes)}. Try: {', '.join(_remedies(estimate_kwargs))}. Breakdown at the peak: "
             + ", ".join(f"{k}={format_bytes(v)}" for k, v in first.breakdown.items())
         )
     best = (candidates[0], first)
@@ -108,6 +106,19 @@ def plan_micro_batch(
         budget_bytes=budget_bytes,
         estimate=est,
     )
+
+
+def _remedies(settings: dict[str, Any]) -> list[str]:
+    """What would lower the peak, leaving out what the run already does."""
+    remedies = [
+        ("gradient checkpointing", not settings.get("gradient_checkpointing")),
+        ("bf16 (or bf16-true)", not str(settings.get("precision", "")).startswith("bf16")),
+        ("LoRA", settings.get("lora") is None),
+        ("a chunked loss", settings.get("loss") != "chunked"),
+        ("a shorter max_length", True),
+        ("sharding (fsdp/zero) over more processes", True),
+    ]
+    return [what for what, applies in remedies if applies]
 
 
 def _mem_available_bytes() -> int:
