@@ -118,8 +118,8 @@ def compile_blocks(model: torch.nn.Module) -> int:
     the whole model; `Module.compile` keeps module names and state-dict keys unchanged (checkpoints and
     adapters load either way), and checkpointing wraps the compiled block as it wraps an eager one. The
     loss (data-dependent chunking) and the embeddings stay eager. Measured on 2 CPU cores, h=512 Llama,
-    bf16: 1.25x tokens/s without checkpointing, 1.07x with it, after a one-off 15-35 s compile
-    (docs/speed.md).
+    bf16 (scripts/bench_compile.py): 1.15x tokens/s without checkpointing, 1.12x with it, after ~20 s of
+    compiling with a cold cache (docs/speed.md).
     """
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(hf_model, "_no_split_modules", None) or ())

@@ -7,8 +7,11 @@ settings take turns step by step, the order reversed every round, so a machine t
 alike. Reports the median step time, tokens/s, MFU (`metrics.flops_per_token` against the best bf16
 matmul peak measured in the run) and each setting's speed relative to eager at the same checkpointing.
 
-    .venv/bin/python scripts/bench_compile.py                 # h=512, 4 layers, vocab 32000: ~4 min
+    .venv/bin/python scripts/bench_compile.py                 # h=512, 4 layers, vocab 32000: ~3 min
     .venv/bin/python scripts/bench_compile.py --hidden 256 --layers 2
+
+The warm-up column includes compiling; inductor caches compiled graphs on disk, so for a cold compile run
+with an empty cache: `TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) .venv/bin/python scripts/bench_compile.py`.
 
 Writes benchmarks/results/compile_cpu.json.
 """
@@ -62,7 +65,7 @@ def make_step(config, batch: dict, *, compiled: bool, checkpointing: bool):
         (loss / tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss) / tokens
+        return float(loss.detach()) / tokens
 
     return step, model
 
@@ -134,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python scripts/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default (warm if run before)"),
         "settings": vars(a) | {"output": str(a.output)},
         "parameters": sum(p.numel() for p in model.parameters()),
         "peak_flops": peaks,
