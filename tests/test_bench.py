@@ -184,3 +184,29 @@ def test_bench_parser_wires_a_subcommand():
     assert callable(args.func)
     with pytest.raises(SystemExit):  # too few steps to leave out a warm-up: argparse refuses it (exit 2)
         parser.parse_args(["bench", "--recipe", "r.yaml", "--steps", "2"])
+
+
+@pytest.mark.slow
+def test_bench_vs_hf_runs_both_tools_on_the_same_work(tmp_path):
+    """scripts/bench_vs_hf.py end to end at a toy size: in the identical mode both tools must do the same
+    work (same losses) at no more memory for llmtune; the defaults mode must pick its own settings."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_vs_hf.py"
+    out = tmp_path / "vs_hf.json"
+    args = ["--layers", "1", "--hidden", "128", "--max-length", "128", "--timed-steps", "1", "--rounds", "1"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args, "--modes", "identical", "defaults", "--output", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    same = result["modes"]["identical"]["rounds"][0]
+    torch.testing.assert_close(same["llmtune"]["losses"], same["hf"]["losses"], rtol=1e-5, atol=0)
+    assert same["llmtune"]["peak_memory_bytes"] <= same["hf"]["peak_memory_bytes"]
+    own = result["modes"]["defaults"]["rounds"][0]["llmtune"]
+    assert own["packed"] and own["loss_impl"] == "chunked" and own["gradient_checkpointing"]
+    assert 0 < result["mfu"]["per_mode_median"]["defaults"] < 1
