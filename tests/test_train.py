@@ -110,6 +110,20 @@ def test_compile_runs_compiled_blocks_and_matches_eager(tiny_recipe, tmp_path):
     assert keys[True] == keys[False]
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_compiled_runs_pad_packed_micro_batches_to_max_length(tiny_recipe, compiled):
+    """A compiled block recompiles for every new shape: with compile on, packed micro-batches all get the
+    max_length width (the shape the memory plan assumed); eager runs keep the longest row's width."""
+    from llmtune.train import collate_for
+
+    run = build(load_recipe(tiny_recipe(training__compile=compiled, data__max_length=96)))
+    assert run.data.packed
+    short = [row for row in run.data.train if len(row["input_ids"]) < 96][:2]  # rows first-fit left unfilled
+    assert short
+    width = collate_for(run, short)["input_ids"].shape[1]
+    assert width == (96 if compiled else max(len(row["input_ids"]) for row in short))
+
+
 def test_checkpointing_lowers_measured_peak_memory(tiny_recipe, tmp_path):
     peaks = {}
     for checkpointing in (False, True):
