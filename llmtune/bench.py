@@ -1,10 +1,14 @@
 """`llmtune bench`: measure what mixed precision and gradient checkpointing buy on this machine.
 
-For each precision (fp32, fp16, bf16 — those the device can really run; the others get a row saying why
-not) and gradient checkpointing off and on, the recipe's own model, data, batch and PEFT section train for
+For each precision (fp32, fp16, bf16 — every one the device can run at all; the others get a row saying
+why not) and gradient checkpointing off and on, the recipe's own model, data, batch and PEFT section train for
 a few steps through the real loop (`llmtune.train.build` / `fit`, in this process). Trials run in rounds,
 each round every trial once, the order reversed every other round, so a machine that gets busier or
 quieter during the bench moves all trials alike and the ratios to fp32 stay meaningful.
+
+bf16 on a CPU without native bf16 (AVX2 only) is emulated, ~30x slower than fp32: it is still measured, so a
+user there learns what bf16 buys (less memory) and costs (speed), but in the first round only and for
+EMULATED_STEPS steps, and its rows say `emulated`.
 
 Per trial:
 - peak memory: run_summary's `peak_memory_bytes`, the steady-state peak (steps after the first, once
@@ -37,6 +41,7 @@ log = logging.getLogger(__name__)
 PRECISIONS = ("fp32", "fp16", "bf16")
 DEFAULT_STEPS = 6  # per trial and round: steps 1-3 are memory-tracked on CPU, 4-6 give the tokens/s
 DEFAULT_REPEATS = 2
+EMULATED_STEPS = 3  # the fewest a trial can have; an emulated trial runs once, not once per round
 WARMUP_STEPS = 2  # step 1 allocates AdamW's states and warms kernels up; step 2 can still be slow
 MAX_MICRO_BATCH = 1 << 20  # search cap: "the budget is no limit" for any real model
 
@@ -46,6 +51,7 @@ class Trial:
     precision: str
     gradient_checkpointing: bool
     skipped: str | None = None  # why this trial cannot run here
+    emulated: bool = False  # bf16 on a CPU without native bf16: measured, but fewer steps (slow)
 
     @property
     def name(self) -> str:
@@ -66,9 +72,8 @@ def plan_trials(device_type: str, precisions: Iterable[str] = PRECISIONS) -> lis
             resolve_precision(precision, device_type)
         except SetupError as err:
             reason = str(err)
-        if reason is None and precision.startswith("bf16") and device_type == "cpu" and not cpu_supports_bf16():
-            reason = "this CPU has no native bf16: autocast would emulate it, slower than fp32"
-        trials += [Trial(precision, gc, reason) for gc in (False, True)]
+        emulated = reason is None and precision.startswith("bf16") and device_type == "cpu" and not cpu_supports_bf16()
+        trials += [Trial(precision, gc, reason, emulated) for gc in (False, True)]
     return trials
 
 
@@ -140,10 +145,12 @@ def _measure_trials(
         for round_ in range(repeats):
             # Reversed every other round: a drifting machine load then hits every trial alike.
             order = runnable if round_ % 2 == 0 else runnable[::-1]
+            order = [t for t in order if round_ == 0 or not t.emulated]
             for i, trial in enumerate(order, 1):
                 log.info("bench round %d/%d, trial %d/%d: %s", round_ + 1, repeats, i, len(order), trial.name)
                 trial_dir = Path(tmp) / f"{trial.name}-r{round_}"
-                extra = trial_overrides(trial, steps, warmup, trial_dir)
+                trial_steps = min(steps, EMULATED_STEPS) if trial.emulated else steps
+                extra = trial_overrides(trial, trial_steps, warmup, trial_dir)
                 results[trial.name].append(run_trial(recipe_path, [*overrides, *extra], trial_dir))
                 # Keep what the figures come from (not the trained weights).
                 kept = out_dir / "trials" / trial_dir.name
@@ -319,6 +326,7 @@ def run_bench(
             "gradient_checkpointing": trial.gradient_checkpointing,
             "peft": recipe.peft.method,
             "skipped": trial.skipped,
+            "emulated": trial.emulated,
             "peak_memory_bytes": None,
             "tokens_per_s": None,
             "max_micro_batch_size": None,
@@ -412,17 +420,24 @@ def format_table(rows: list[dict]) -> str:
     ]
     for r in rows:
         ckpt = "on" if r["gradient_checkpointing"] else "off"
+        precision = r["precision"] + (" (emulated)" if r.get("emulated") else "")
         if r["skipped"]:
             reason = r["skipped"].split(":")[0] if len(r["skipped"]) > 80 else r["skipped"]
-            lines.append(f"| {r['precision']} | {ckpt} | skipped: {reason} | | | | |")
+            lines.append(f"| {precision} | {ckpt} | skipped: {reason} | | | | |")
             continue
         lines.append(
-            f"| {r['precision']} | {ckpt} "
+            f"| {precision} | {ckpt} "
             f"| {r['peak_memory_bytes'] / 2**20:.1f}{rel(r['peak_memory_rel'])} "
             f"| {r['tokens_per_s']:.0f}{rel(r['tokens_per_s_rel'])} "
             f"| {r['tokens_per_s_best']:.0f}{rel(r['tokens_per_s_best_rel'])} "
             f"| {r['max_micro_batch_size']}{rel(r['max_micro_batch_rel'])} "
             f"| {r['final_loss']:.3f} |"
+        )
+    if any(r.get("emulated") and not r["skipped"] for r in rows):
+        lines.append(
+            f"\nemulated: this CPU has no native bf16 (AVX512-BF16/AMX), so bf16 runs in software; measured in one"
+            f" round of {EMULATED_STEPS} steps (memory-tracked, the slowest). Its memory figures hold anywhere;"
+            " its speed is this CPU's only."
         )
     return "\n".join(lines)
 

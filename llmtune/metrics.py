@@ -64,26 +64,38 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> tuple[float, float]
     return float(decoder + attention), float(head_flops)
 
 
-def measure_peak_flops(device: torch.device, precision: str, size: int = 2048, repeats: int = 5) -> float:
-    """Dense matmul FLOP/s in the dtype the run computes in: best of a few 2048^3 matmuls after a warm-up.
+MAX_MATMUL_S = 0.25
 
-    A single cold sample under-measured by up to 3x on a shared CPU; at 2048^3 one bf16 matmul takes
-    ~40 ms on 2 cores, so the whole measurement costs well under a second.
+
+def measure_peak_flops(device: torch.device, precision: str, max_size: int = 2048, repeats: int = 5) -> float:
+    """Dense matmul FLOP/s in the dtype the run computes in: best of a few square matmuls after a warm-up.
+
+    The size doubles from 256 up to `max_size` while the next size's matmul would still take under
+    MAX_MATMUL_S: where a dtype is emulated (bf16 on an AVX2-only CPU, ~1 GFLOP/s) one 2048^3 matmul
+    takes ~20 s, so a fixed size would cost minutes at the start of every run. A single cold sample
+    under-measured by up to 3x on a shared CPU, hence the best of several.
     """
     dtype = {"bf16": torch.bfloat16, "bf16-true": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    best = float("inf")
-    for i in range(repeats + 2):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= 2:  # the first calls pay for thread-pool start-up and cache warm-up
-            best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best
+
+    def best_seconds(size: int, calls: int) -> float:
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        best = float("inf")
+        for i in range(calls + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            a @ b
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= 1:  # the first call pays for thread-pool start-up and cache warm-up
+                best = min(best, time.perf_counter() - t0)
+        return best
+
+    size = 256
+    while size < max_size and best_seconds(size, 1) * 8 < MAX_MATMUL_S:
+        size *= 2
+    return 2 * size**3 / best_seconds(size, repeats)
 
 
 class MetricsLogger:

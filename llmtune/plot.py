@@ -128,7 +128,8 @@ def plot_run(output_dir: Path) -> list[Path]:
 
 def plot_bench(rows: list[dict], path: Path) -> Path:
     """Three bar panels (peak memory, trained tokens/s, largest micro-batch in the budget), each bar labelled
-    with its ratio to fp32 without checkpointing; skipped trials are shown with the reason."""
+    with its ratio to fp32 without checkpointing; skipped trials are shown with the reason, emulated ones
+    (bf16 on a CPU without native bf16) are labelled so."""
     plt = _pyplot()
     labels = [_trial_label(r) for r in rows]
     colors = [
@@ -228,7 +229,8 @@ def plot_estimate(recipe: Any, config: Any, settings: Any, plan: Any, num_proces
 
 
 def _trial_label(row: dict) -> str:
-    return row["precision"] + (" + ckpt" if row.get("gradient_checkpointing") else "")
+    emulated = " (emulated)" if row.get("emulated") else ""
+    return row["precision"] + emulated + (" + ckpt" if row.get("gradient_checkpointing") else "")
 
 
 def _shorten(text: str, n: int) -> str:

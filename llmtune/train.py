@@ -33,11 +33,11 @@ from llmtune.metrics import MetricsLogger, check_trackers, flops_per_token, meas
 from llmtune.model import (
     SetupError,
     check_requirements,
+    choose_precision,
     count_parameters,
     load_config,
     load_model,
     load_tokenizer,
-    resolve_precision,
 )
 from llmtune.recipe import Recipe, dump_recipe
 
@@ -61,6 +61,7 @@ class Run:
     recipe: Recipe
     accelerator: Accelerator
     precision: str
+    precision_why: str  # shown in the setup log: `auto` differs between machines
     tokenizer: Any
     data: PreparedData
     model: torch.nn.Module  # CausalLMWithLoss, prepared by Accelerate (DDP/FSDP-wrapped when launched so)
@@ -143,12 +144,12 @@ def shrink_plan(plan: BatchPlan, per_process: int) -> BatchPlan:
 # ---------------------------------------------------------------- setup
 
 
-def make_accelerator(recipe: Recipe) -> tuple[Accelerator, str]:
-    """Accelerator with the recipe's precision; the recipe wins over an Accelerate config and says so."""
+def make_accelerator(recipe: Recipe) -> tuple[Accelerator, str, str]:
+    """Accelerator with the recipe's precision (and why that one); the recipe wins over an Accelerate config."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     check_requirements(recipe, device_type)
     check_trackers(recipe.logging.report_to)
-    precision = resolve_precision(recipe.training.precision, device_type)
+    precision, why = choose_precision(recipe.training.precision, device_type)
     mixed = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "no")
     launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
     # Accelerate keeps its precision in a process-wide singleton; forget it so one process can run several
@@ -178,11 +179,11 @@ def make_accelerator(recipe: Recipe) -> tuple[Accelerator, str]:
         )
     if launcher and launcher != mixed:
         log.info("the launcher asked for mixed_precision=%s; the recipe's precision %s wins", launcher, precision)
-    return accelerator, precision
+    return accelerator, precision, why
 
 
 def build(recipe: Recipe) -> Run:
-    accelerator, precision = make_accelerator(recipe)
+    accelerator, precision, precision_why = make_accelerator(recipe)
     resume_from = checkpoint_to_resume(recipe)
     set_seed(recipe.seed)
     tokenizer = load_tokenizer(recipe.model)
@@ -204,6 +205,7 @@ def build(recipe: Recipe) -> Run:
         recipe=recipe,
         accelerator=accelerator,
         precision=precision,
+        precision_why=precision_why,
         tokenizer=tokenizer,
         data=data,
         model=wrapped,
@@ -293,7 +295,7 @@ def log_setup(run: Run, trainable: int, total: int) -> None:
         f"model          {r.model.name_or_path} ({total / 1e6:.1f}M params, {trainable / 1e6:.2f}M trainable)",
         f"launch         {run.accelerator.distributed_type.value} x {run.accelerator.num_processes} on "
         f"{run.accelerator.device}",
-        f"precision      {run.precision} (recipe: {r.training.precision})",
+        f"precision      {run.precision} ({run.precision_why})",
         f"checkpointing  {'on' if r.training.gradient_checkpointing else 'off'}",
         f"batch          global {r.training.global_batch_size} = micro {p.micro_batch_size} x accumulation "
         f"{p.grad_accum_steps} x processes {p.num_processes} (micro-batch from {p.source})",
@@ -302,6 +304,11 @@ def log_setup(run: Run, trainable: int, total: int) -> None:
         f"{run.data.stats.trained_tokens} trained tokens",
         f"steps          {run.start_step} -> {r.training.max_steps}",
     ]
+    if r.training.warmup_steps > r.training.max_steps:
+        lines.append(
+            f"warmup         {r.training.warmup_steps} steps, longer than the run: the learning rate stops at"
+            f" {lr_factor(r.training.max_steps - 1, r):.0%} of its peak"
+        )
     log.info("llmtune run\n  " + "\n  ".join(lines))
 
 

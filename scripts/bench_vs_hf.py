@@ -7,13 +7,14 @@ optimizer steps, trials alternating in one process (the order reversed every oth
 that gets busier moves both alike; ratios are taken per round).
 
 Modes:
-- `identical`: the same micro-batch, accumulation, precision (bf16 autocast), checkpointing (off),
+- `identical`: the same micro-batch, accumulation, precision (`--precision`, default `auto`: bf16 autocast
+  where this CPU runs bf16 natively, fp32 where bf16 would be emulated), checkpointing (off),
   padding (no packing), optimizer (torch AdamW, fused), loss (transformers' ForCausalLMLoss: llmtune
   `training.loss=hf`), and the very same micro-batches in the same order (HF gets a sequential sampler
   over llmtune's step order). Targets: llmtune tokens/s >= 1.0x HF's, peak memory <= 1.0x.
 - `defaults`: each tool as recommended, for one memory budget. llmtune: its recipe defaults (packing,
   gradient checkpointing, `loss: auto` = chunked, `micro_batch_size: auto` planned under `memory.budget`).
-  HF: per_device_train_batch_size 8 (its default), bf16=True, its default optimizer (fused AdamW), no
+  HF: per_device_train_batch_size 8 (its default), bf16=True (with bf16), its default optimizer (fused AdamW), no
   packing; if that does not fit the budget, what a user does next, in order: gradient checkpointing, then
   halve the batch (accumulation keeps the global batch). Fit is judged by the estimator's prediction
   first, then checked against the measured peak (a measured overshoot moves on to the next setting).
@@ -30,8 +31,8 @@ data loading, collation and logging included, for both tools (llmtune: metrics.j
 on_step_end). Timed are the steps after the tracked ones (the tracker slows a CPU step down); compiled
 modes also skip two steps that compile, and the median keeps a later recompile (a new mask type or shape:
 both tools meet some) or a busy moment of the machine from deciding the figure. MFU is llmtune's model FLOPs
-(`metrics.flops_per_token`) against the highest bf16 matmul peak measured in the run (each trial's own
-measurement, 2048^3 and 4096^3).
+(`metrics.flops_per_token`) against the highest matmul peak measured in the run in the trials' dtype (each
+trial's own measurement, 2048^3 and 4096^3; 256^3 and 512^3 where bf16 is emulated).
 
     .venv/bin/python scripts/bench_vs_hf.py --quick      # 1 round of 4 modes, ~6 min on 2 quiet cores
     .venv/bin/python scripts/bench_vs_hf.py              # 2 rounds, more steps
@@ -154,14 +155,14 @@ def make_assets(folder: Path, *, layers: int, hidden: int, examples: int, max_le
     return {"model_dir": str(model_dir), "data": str(data), "tokenizer_vocab": tok.get_vocab_size()}
 
 
-def base_recipe(assets: dict, out: Path, *, max_length: int, steps: int, seed: int) -> dict:
+def base_recipe(assets: dict, out: Path, *, max_length: int, steps: int, seed: int, precision: str) -> dict:
     return {
         "output_dir": str(out),
         "seed": seed,
         "model": {"name_or_path": assets["model_dir"], "random_init": True, "attn_implementation": "sdpa"},
         "data": {"train": [{"path": assets["data"], "format": "messages"}], "max_length": max_length},
         "training": {
-            "precision": "bf16",
+            "precision": precision,
             "global_batch_size": GLOBAL_BATCH,
             "max_steps": steps,
             "learning_rate": 1e-4,
@@ -257,7 +258,7 @@ def hf_dataset(recipe: dict, tmp: Path, steps: int):
 
 def run_hf(
     assets: dict, tokenizer, ds, trained: list[int], *, micro: int, checkpointing: bool, optim: str, steps: int,
-    seed: int, tmp: Path, profile_step: int | None = None, compile: bool = False, skip: int = 0,
+    seed: int, tmp: Path, precision: str, profile_step: int | None = None, compile: bool = False, skip: int = 0,
 ) -> dict:  # fmt: skip
     from accelerate.state import AcceleratorState
     from torch.utils.data import SequentialSampler
@@ -324,7 +325,7 @@ def run_hf(
         learning_rate=1e-4,
         lr_scheduler_type="cosine",
         warmup_steps=0,
-        bf16=True,
+        bf16=precision == "bf16",
         gradient_checkpointing=checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None,
         optim=optim,
@@ -391,12 +392,17 @@ def profile_table(prof, top: int = 12) -> dict:
     }
 
 
-def check_peak_flops(repeats: int = 3) -> dict:
-    """llmtune's `measure_peak_flops` (1024^3 on CPU) next to larger bf16 matmuls, alternating."""
+def check_peak_flops(precision: str, repeats: int = 3) -> dict:
+    """llmtune's `measure_peak_flops` next to larger matmuls in the trials' dtype, alternating (smaller
+    ones where bf16 is emulated: a 4096^3 emulated bf16 matmul takes minutes)."""
     from llmtune.metrics import measure_peak_flops
+    from llmtune.model import cpu_supports_bf16
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    small, large = (2048, 4096) if dtype == torch.float32 or cpu_supports_bf16() else (256, 512)
 
     def best(size: int, reps: int = 5) -> float:
-        a, b = torch.randn(size, size, dtype=torch.bfloat16), torch.randn(size, size, dtype=torch.bfloat16)
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
         a @ b
         t = float("inf")
         for _ in range(reps):
@@ -405,22 +411,24 @@ def check_peak_flops(repeats: int = 3) -> dict:
             t = min(t, time.perf_counter() - t0)
         return 2 * size**3 / t
 
-    rows: dict[str, list[float]] = {"llmtune_measure_peak_flops": [], "bf16_2048": [], "bf16_4096": []}
+    rows: dict[str, list[float]] = {"llmtune_measure_peak_flops": [], "matmul_small": [], "matmul_large": []}
     for _ in range(repeats):
-        rows["llmtune_measure_peak_flops"].append(measure_peak_flops(torch.device("cpu"), "bf16"))
-        rows["bf16_2048"].append(best(2048))
-        rows["bf16_4096"].append(best(4096, reps=3))
-    return {k: max(v) for k, v in rows.items()} | {"all": rows}
+        rows["llmtune_measure_peak_flops"].append(measure_peak_flops(torch.device("cpu"), precision))
+        rows["matmul_small"].append(best(small))
+        rows["matmul_large"].append(best(large, reps=3))
+    return {k: max(v) for k, v in rows.items()} | {"all": rows, "sizes": [small, large], "dtype": str(dtype)}
 
 
 # ---------------------------------------------------------------- defaults mode: what fits the budget
 
 
-def estimate_peak(config, *, micro: int, seq_len: int, checkpointing: bool, loss: str, optimizer: str) -> int:
+def estimate_peak(
+    config, *, micro: int, seq_len: int, checkpointing: bool, loss: str, optimizer: str, precision: str
+) -> int:
     from llmtune.memory.estimate import estimate
 
     return estimate(
-        config, micro_batch_size=micro, seq_len=seq_len, precision="bf16", gradient_checkpointing=checkpointing,
+        config, micro_batch_size=micro, seq_len=seq_len, precision=precision, gradient_checkpointing=checkpointing,
         loss=loss, optimizer=optimizer, device="cpu", grad_accum_steps=GLOBAL_BATCH // micro,
     ).peak_bytes  # fmt: skip
 
@@ -452,7 +460,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     p.add_argument("--profile", action="store_true", help="torch.profiler on one timed step of each trial")
     p.add_argument("--output", type=Path, default=RESULTS)
+    p.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "bf16", "fp32"],
+        help="both tools' precision; auto: bf16 where this CPU runs it natively, else fp32 (emulated bf16 is slow)",
+    )
     a = p.parse_args(argv)
+    from llmtune.model import resolve_precision
+
+    precision = resolve_precision(a.precision, "cpu")
     rounds = a.rounds or (1 if a.quick else 2)
     timed = a.timed_steps or (4 if a.quick else 6)
     steps = TRACKED_STEPS + timed
@@ -487,6 +504,7 @@ def main(argv: list[str] | None = None) -> dict:
             "timed_steps": timed,
             "rounds": rounds,
             "budget": a.budget,
+            "precision": precision,
         },  # fmt: skip
         "modes": {},
     }
@@ -498,7 +516,7 @@ def main(argv: list[str] | None = None) -> dict:
         assets = make_assets(tmp, layers=a.layers, hidden=a.hidden, examples=400, max_length=a.max_length)
         config = AutoConfig.from_pretrained(assets["model_dir"])
         results["settings"]["tokenizer_vocab"] = assets["tokenizer_vocab"]
-        base = base_recipe(assets, tmp / "run", max_length=a.max_length, steps=steps, seed=0)
+        base = base_recipe(assets, tmp / "run", max_length=a.max_length, steps=steps, seed=0, precision=precision)
         tokenizer, ds, trained = hf_dataset(base, tmp, steps + max(skip.values()))
         lengths = [len(x) for x in ds["input_ids"]]
         results["settings"]["example_tokens"] = {"mean": statistics.mean(lengths), "max": max(lengths)}
@@ -509,7 +527,8 @@ def main(argv: list[str] | None = None) -> dict:
             trials["identical"] = (
                 {"data": {"packing": False, "group_by_length": False},
                  "training": {"micro_batch_size": IDENTICAL_MICRO, "loss": "hf", "gradient_checkpointing": False}},
-                {"micro": IDENTICAL_MICRO, "checkpointing": False, "optim": "adamw_torch_fused"},
+                {"micro": IDENTICAL_MICRO, "checkpointing": False, "optim": "adamw_torch_fused",
+                 "precision": precision},
                 {},
             )  # fmt: skip
         if {"defaults", "compiled", "throughput"} & set(a.modes):
@@ -519,7 +538,7 @@ def main(argv: list[str] | None = None) -> dict:
             hf_choice, tried = None, []
             for m, ckpt in hf_user_sequence():
                 pred = estimate_peak(config, micro=m, seq_len=a.max_length, checkpointing=ckpt, loss="hf",
-                                     optimizer="adamw_fused")  # fmt: skip
+                                     optimizer="adamw_fused", precision=precision)  # fmt: skip
                 tried.append({"micro": m, "checkpointing": ckpt, "predicted_peak_bytes": pred})
                 if pred <= budget:
                     hf_choice = (m, ckpt)
@@ -527,7 +546,10 @@ def main(argv: list[str] | None = None) -> dict:
             note["hf_settings_tried"] = tried
             if hf_choice is None:
                 raise SystemExit(f"no HF setting fits {a.budget}")
-            hf_defaults = {"micro": hf_choice[0], "checkpointing": hf_choice[1], "optim": "adamw_torch_fused"}
+            hf_defaults = {
+                "micro": hf_choice[0], "checkpointing": hf_choice[1], "optim": "adamw_torch_fused",
+                "precision": precision,
+            }  # fmt: skip
             if "defaults" in a.modes:
                 # llmtune: its recipe defaults (packing, checkpointing, `loss: auto`, `micro_batch_size: auto`)
                 # and the budget, nothing else.
@@ -590,13 +612,13 @@ def main(argv: list[str] | None = None) -> dict:
                 pair["tokens_per_s_ratio"] = ratio(pair["llmtune"]["tokens_per_s"], pair["hf"]["tokens_per_s"])
                 pair["memory_ratio"] = ratio(pair["llmtune"]["peak_memory_bytes"], pair["hf"]["peak_memory_bytes"])
                 per_round[mode].append(pair)
-        results["peak_flops_check"] = check_peak_flops()
+        results["peak_flops_check"] = check_peak_flops(precision)
 
-    # Every trial measures the bf16 peak once at start (a 0.3 s sample: a busy moment reads low and would
+    # Every trial measures the matmul peak once at start (a 0.3 s sample: a busy moment reads low and would
     # inflate that trial's MFU); MFU here is against the highest peak any measurement of the run saw.
     pf = results["peak_flops_check"]
     trial_peaks = [pr["llmtune"]["peak_flops_measured"] for prs in per_round.values() for pr in prs]
-    best_peak = max([pf["bf16_2048"], pf["bf16_4096"], pf["llmtune_measure_peak_flops"], *trial_peaks])
+    best_peak = max([pf["matmul_small"], pf["matmul_large"], pf["llmtune_measure_peak_flops"], *trial_peaks])
     for mode, pairs in per_round.items():
         for pr in pairs:
             pr["llmtune"]["mfu_vs_best_peak"] = pr["llmtune"]["mfu"] * pr["llmtune"]["peak_flops_measured"] / best_peak
@@ -680,10 +702,11 @@ def print_table(results: dict) -> None:
             mem += f" (target <= {targets[1]}) {'met' if m['met']['memory'] else 'MISSED'}"
         print(f"{mode:10s} ratio    {speed};  {mem}")
     pf, mfu = results["peak_flops_check"], results["mfu"]
+    (small, large), precision = pf["sizes"], results["settings"]["precision"]
     print(
-        f"peak bf16 FLOP/s: measure_peak_flops {pf['llmtune_measure_peak_flops'] / 1e9:.0f} G, 2048^3 "
-        f"{pf['bf16_2048'] / 1e9:.0f} G, 4096^3 {pf['bf16_4096'] / 1e9:.0f} G; best of the run (trials included)"
-        f" {mfu['best_peak_flops'] / 1e9:.0f} G"
+        f"peak {precision} FLOP/s: measure_peak_flops {pf['llmtune_measure_peak_flops'] / 1e9:.0f} G, {small}^3 "
+        f"{pf['matmul_small'] / 1e9:.0f} G, {large}^3 {pf['matmul_large'] / 1e9:.0f} G;"
+        f" best of the run (trials included) {mfu['best_peak_flops'] / 1e9:.0f} G"
     )
     print(
         "MFU against the best peak, median over rounds: "

@@ -38,8 +38,10 @@ def test_bench_measures_each_precision_and_checkpointing(tiny_recipe, tmp_path):
     grid = {(r["precision"], r["gradient_checkpointing"]): r for r in rows}
     assert set(grid) == {(p, gc) for p in ("fp32", "fp16", "bf16") for gc in (False, True)}
     ran = [r for r in rows if not r["skipped"]]
-    expected = {"fp32", "bf16"} if (not ON_CPU or cpu_supports_bf16()) else {"fp32"}
+    expected = {"fp32", "bf16"}  # bf16 runs everywhere; on a CPU without native bf16, emulated and marked so
     assert {r["precision"] for r in ran} == expected
+    emulated = ON_CPU and not cpu_supports_bf16()
+    assert [r["emulated"] for r in ran if r["precision"] == "bf16"] == [emulated, emulated]
     for r in ran:
         assert r["peak_memory_bytes"] > 0 and r["tokens_per_s"] > 0 and r["max_micro_batch_size"] > 0
         assert r["micro_batch_size"] == 4 and r["grad_accum_steps"] == 2  # the recipe's batch, untouched
@@ -55,7 +57,8 @@ def test_bench_measures_each_precision_and_checkpointing(tiny_recipe, tmp_path):
 
     table = format_table(rows)
     assert table == (out / "bench.md").read_text().strip()
-    assert table.count("\n") == 1 + len(rows) and "skipped" in table
+    assert table.count("| bf16 (emulated) |") == (2 if emulated else 0)
+    assert table.count("\n") == 1 + len(rows) + (2 if emulated else 0) and "skipped" in table
     assert (out / "bench.png").read_bytes()[:8] == PNG
     trial_dirs = {p.name for p in (out / "trials").iterdir()}
     assert trial_dirs == {f"{p}{ckpt}-r0" for p in expected for ckpt in ("", "-ckpt")}
@@ -136,7 +139,34 @@ def test_fp16_is_skipped_on_cpu_with_the_reason():
     fp16 = [t for t in trials if t.precision == "fp16"]
     assert [t.gradient_checkpointing for t in fp16] == [False, True]
     assert all("fp16 cannot run on cpu" in t.skipped for t in fp16)
-    assert all(t.skipped is None for t in trials if t.precision == "fp32")
+    assert all(t.skipped is None for t in trials if t.precision in ("fp32", "bf16"))
+    assert [t.emulated for t in trials if t.precision == "bf16"] == [not cpu_supports_bf16()] * 2
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_emulated_bf16_is_measured_once_with_fewer_steps(tiny_recipe, tmp_path, monkeypatch, native):
+    """Where bf16 is emulated (~30x slower) its trials run in the first round only, at EMULATED_STEPS; the rows
+    are measured (not skipped) and marked emulated in the JSON, the table and the plot's labels."""
+    import llmtune.model
+    from llmtune.plot import _trial_label
+
+    calls: list = []
+    monkeypatch.setattr(llmtune.model, "cpu_supports_bf16", lambda: native)
+    monkeypatch.setattr(bench, "run_trial", fake_trial(calls))
+    capacity = {"max_micro_batch_size": 16, "max_micro_batch_method": "fake", "planned_micro_batch_size": 8}
+    monkeypatch.setattr(bench, "micro_batch_capacity", lambda *a, **k: capacity)
+    rows = run_bench(str(tiny_recipe()), [], tmp_path / "b", steps=6, repeats=2, budget="1GiB", precisions=["bf16"])
+
+    runs = [(r.training.gradient_checkpointing, r.training.max_steps) for r in calls]
+    if native:
+        assert runs == [(False, 6), (True, 6), (True, 6), (False, 6)]
+    else:
+        assert runs == [(False, bench.EMULATED_STEPS), (True, bench.EMULATED_STEPS)]
+    assert [r["emulated"] for r in rows] == [not native] * 2
+    assert all(r["skipped"] is None and r["tokens_per_s"] > 0 for r in rows)
+    assert json.loads((tmp_path / "b" / "bench.json").read_text())[0]["emulated"] is (not native)
+    assert ("bf16 (emulated)" in format_table(rows)) is (not native)
+    assert _trial_label(rows[1]) == ("bf16 (emulated) + ckpt" if not native else "bf16 + ckpt")
 
 
 def test_steady_steps_skip_warmup_and_prefer_untracked_steps():
