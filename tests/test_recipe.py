@@ -62,6 +62,13 @@ def test_value_rules(tmp_path):
         load_recipe(path)
 
 
+def test_warmup_longer_than_the_run_is_allowed_but_not_negative(tmp_path):
+    path = write(tmp_path / "r.yaml", {**MINIMAL, "training": {"max_steps": 1, "warmup_steps": 20}})
+    assert load_recipe(path).training.warmup_steps == 20  # a smoke run of a recipe with warmup
+    with pytest.raises(RecipeError, match=r"`training.warmup_steps` must be >= 0"):
+        load_recipe(path, ["training.warmup_steps=-1"])
+
+
 def test_missing_required_key(tmp_path):
     path = write(tmp_path / "r.yaml", {"data": MINIMAL["data"]})
     with pytest.raises(RecipeError, match="missing required key `model`"):

@@ -12,8 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llmtune.cli import main
+from llmtune.model import resolve_precision
 from llmtune.recipe import load_recipe
-from llmtune.train import build, fit
+from llmtune.train import build, fit, lr_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 METRIC_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_bytes"}
@@ -24,7 +25,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def test_entry_point_trains_saves_and_reloads(tiny_recipe, tmp_path):
-    recipe = tiny_recipe(training__precision="bf16", training__gradient_checkpointing=True, training__max_steps=8)
+    recipe = tiny_recipe(training__precision="auto", training__gradient_checkpointing=True, training__max_steps=8)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "finetune.py"), "--recipe", str(recipe), "logging.every_n_steps=4"],
         capture_output=True,
@@ -37,7 +38,8 @@ def test_entry_point_trains_saves_and_reloads(tiny_recipe, tmp_path):
     assert all(METRIC_FIELDS <= m.keys() for m in steps)
     assert steps[-1]["loss"] < steps[0]["loss"]
     summary = json.loads((run / "run_summary.json").read_text())
-    assert summary["precision"] == "bf16" and summary["gradient_checkpointing"] is True
+    assert summary["precision"] == resolve_precision("auto", "cpu") and summary["gradient_checkpointing"] is True
+    assert f"precision      {summary['precision']} (auto: this CPU has" in proc.stderr  # which, and why
     assert (summary["micro_batch_size"], summary["grad_accum_steps"], summary["num_processes"]) == (4, 2, 1)
     assert summary["peak_memory_bytes"] > 0 and summary["trained_tokens"] > 0
     assert load_recipe(run / "recipe.yaml").training.max_steps == 8
@@ -190,3 +192,26 @@ def test_out_of_memory_halves_the_micro_batch_and_continues_the_same_step(tiny_r
     fit(reference)
     ref = [r["loss"] for r in read_metrics(tmp_path / "ref") if "loss" in r]
     assert [r["loss"] for r in records if "loss" in r] == pytest.approx(ref, rel=1e-5)
+
+
+def test_warmup_longer_than_the_run_ramps_and_never_reaches_the_peak(tiny_recipe):
+    recipe = load_recipe(tiny_recipe(training__max_steps=4, training__warmup_steps=10))
+    factors = [lr_factor(step, recipe) for step in range(4)]
+    assert factors == pytest.approx([0.1, 0.2, 0.3, 0.4])
+
+
+@pytest.mark.slow
+def test_quickstart_smoke_run_of_one_step(tmp_path, caplog):
+    """`training.max_steps=1` on the quickstart (whose warmup is 20 steps) runs through scripts/finetune.py
+    (a real process) and `llmtune train` (its `main`, in this process: the console script only calls it)."""
+    recipe = str(ROOT / "recipes" / "quickstart.yaml")
+    overrides = ["training.max_steps=1", "data.eval=[]", "logging.progress_bar=false"]
+    script = [sys.executable, str(ROOT / "scripts" / "finetune.py"), "--recipe", recipe]
+    proc = subprocess.run([*script, *overrides, f"output_dir={tmp_path / 'a'}"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    caplog.set_level("INFO", logger="llmtune")
+    assert main(["train", "--recipe", recipe, *overrides, f"output_dir={tmp_path / 'b'}"]) == 0
+    for log in (proc.stderr, caplog.text):
+        assert "longer than the run: the learning rate stops at 5% of its peak" in log
+    for run in ("a", "b"):
+        assert json.loads((tmp_path / run / "run_summary.json").read_text())["steps"] == 1
