@@ -7,12 +7,18 @@ gradient checkpointing through transformers' own API, then wrap with PEFT adapte
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from llmtune.catalogue import MODELS, model_config_dir
 from llmtune.recipe import ModelConfig, PeftConfig, Recipe
 
 log = logging.getLogger(__name__)
@@ -77,9 +83,16 @@ def check_requirements(recipe: Recipe, device_type: str) -> None:
 
 
 def load_tokenizer(cfg: ModelConfig):
-    tokenizer = AutoTokenizer.from_pretrained(
-        cfg.tokenizer or cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
-    )
+    source = cfg.tokenizer or cfg.name_or_path
+    key = "model.tokenizer" if cfg.tokenizer else "model.name_or_path"
+    if source.lower() in MODELS and not Path(source).exists():
+        raise SetupError(f"{key}={source}: the catalogue holds only configs; name the hub id {MODELS[source.lower()]}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        raise SetupError(f"{key}={source}: cannot load a tokenizer: {_why(source, err)}") from None
     if tokenizer.pad_token is None:
         # Padding positions are masked out of attention and loss, so any id is safe to pad with.
         tokenizer.pad_token = tokenizer.eos_token
@@ -87,7 +100,40 @@ def load_tokenizer(cfg: ModelConfig):
 
 
 def load_config(cfg: ModelConfig) -> PretrainedConfig:
-    return AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    return resolve_config(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+
+
+def resolve_config(name: str, *, revision: str | None = None, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The config of `name`: a catalogue model (offline), a local folder or config.json file, or a hub id
+    (only its config.json is fetched). Anything else is a SetupError that names `name` in one line."""
+    path = Path(name).expanduser()
+    # A local folder wins over a catalogue entry of the same name; a pinned revision is the hub's to answer.
+    folder = model_config_dir(name) if not path.exists() and revision is None else None
+    if folder is None and not path.exists() and not _HUB_ID.fullmatch(name):
+        raise SetupError(f"{name}: no such folder")
+    if folder is None and path.is_dir() and not (path / "config.json").is_file():
+        raise SetupError(f"{name}: the folder has no config.json")
+    try:
+        return AutoConfig.from_pretrained(
+            str(folder or name), revision=None if folder else revision, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        raise SetupError(f"{name}: cannot read the model's config: {_why(name, err)}") from None
+
+
+# [owner/]name, as the hub spells repository ids; a missing local path of another shape (./x, /x, a/b/c) is
+# refused as a missing folder without asking the hub.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]*[A-Za-z0-9_])?")
+
+
+def _why(name: str, err: BaseException) -> str:
+    """One line for an error of transformers/huggingface_hub loading `name`."""
+    text = str(err)
+    if "couldn't connect" in text or "offline" in text.lower():
+        return "the hub cannot be reached (offline?) and nothing is cached"
+    if not Path(name).exists() and _HUB_ID.fullmatch(name):
+        return f"not a local folder, and the hub has no model {name} (or it is gated: huggingface-cli login)"
+    return text.strip().splitlines()[0] if text.strip() else type(err).__name__
 
 
 def load_model(recipe: Recipe, precision: str, config: PretrainedConfig) -> PreTrainedModel:
@@ -154,6 +200,15 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+@contextlib.contextmanager
+def peft_quietly() -> Iterator[None]:
+    """Wrap peft model construction: peft (0.17-0.21) reads transformers 5's deprecated `is_gradient_checkpointing`
+    property, which warns once per wrapped model (a FutureWarning addressed to peft, not to our users)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def apply_peft(model: PreTrainedModel, cfg: PeftConfig, *, gradient_checkpointing: bool):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
@@ -177,7 +232,8 @@ def apply_peft(model: PreTrainedModel, cfg: PeftConfig, *, gradient_checkpointin
         modules_to_save=cfg.modules_to_save or None,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, lora)
+    with peft_quietly():
+        return get_peft_model(model, lora)
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
