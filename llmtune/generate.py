@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from llmtune.data import render_prompt
-from llmtune.merge import ADAPTER_CONFIG
+from llmtune.merge import ADAPTER_CONFIG, WEIGHT_FILES
 
 
 class GenerateError(ValueError):
@@ -62,6 +62,8 @@ def load_run(run: str | Path, *, chat: bool | None = None) -> LoadedRun:
             model, tokenizer = load_adapter_model(folder)
         except MergeError as err:
             raise GenerateError(str(err)) from None
+    elif not any((folder / w).is_file() for w in WEIGHT_FILES):
+        raise GenerateError(f"{folder}: a config without weights ({WEIGHT_FILES[0]}); is it a trained run's final/?")
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto")

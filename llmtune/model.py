@@ -85,7 +85,12 @@ def check_requirements(recipe: Recipe, device_type: str) -> None:
 def load_tokenizer(cfg: ModelConfig):
     source = cfg.tokenizer or cfg.name_or_path
     key = "model.tokenizer" if cfg.tokenizer else "model.name_or_path"
-    if source.lower() in MODELS and not Path(source).exists():
+    path = Path(source).expanduser()
+    if not path.exists() and not _HUB_ID.fullmatch(source):
+        raise SetupError(f"{key}={source}: no such folder")
+    if path.is_dir() and not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        raise SetupError(f"{key}={source}: the folder holds no tokenizer ({', '.join(_TOKENIZER_FILES)})")
+    if source.lower() in MODELS and not path.exists():
         raise SetupError(f"{key}={source}: the catalogue holds only configs; name the hub id {MODELS[source.lower()]}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(
@@ -124,6 +129,9 @@ def resolve_config(name: str, *, revision: str | None = None, trust_remote_code:
 # [owner/]name, as the hub spells repository ids; a missing local path of another shape (./x, /x, a/b/c) is
 # refused as a missing folder without asking the hub.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]*[A-Za-z0-9_])?")
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def _why(name: str, err: BaseException) -> str:

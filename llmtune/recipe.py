@@ -301,14 +301,20 @@ def dump_recipe(recipe: Recipe) -> str:
 
 def _read_with_bases(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], dict[str, str]]:
     """Deep-merge a recipe over its `base:` (relative to the recipe's folder); track each key's file."""
+    if path.is_dir():
+        raise RecipeError([f"{path}: is a folder, not a recipe file"])
     if not path.is_file():
         raise RecipeError([f"{path}: recipe file not found"])
     if path.resolve() in seen:
         raise RecipeError([f"{path}: `base:` chain loops back to itself"])
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
+    except OSError as err:
+        raise RecipeError([f"{path}: cannot read: {err.strerror}"]) from None
+    except UnicodeDecodeError as err:
+        raise RecipeError([f"{path}: not UTF-8 text (byte {err.start}): is it a recipe YAML file?"]) from None
     except yaml.YAMLError as err:
-        raise RecipeError([f"{path}: not valid YAML: {err}"]) from None
+        raise RecipeError([f"{path}: not valid YAML: {' '.join(str(err).split())}"]) from None
     if not isinstance(data, dict):
         raise RecipeError([f"{path}: a recipe must be a mapping of keys, got {type(data).__name__}"])
     base = data.pop("base", None)
