@@ -26,6 +26,11 @@ def _setup_logging() -> None:
     )
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # transformers 5 asks the authors of Phi-3/3.5's published config.json (rope `original_max_position_embeddings`
+    # without `factor`) to update it; the user who plans or trains that model can do nothing about it.
+    logging.getLogger("transformers.modeling_rope_utils").addFilter(
+        lambda record: "rope_parameters['original_max_position_embeddings']" not in record.getMessage()
+    )
 
 
 def _recipe_args(p: argparse.ArgumentParser) -> None:

@@ -63,13 +63,13 @@ def merge_run(run_dir: str | Path, out: str | Path | None = None, *, dtype: str 
     if dtype != "auto" and dtype not in DTYPES:
         raise MergeError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
     kind, folder = locate(Path(run_dir))
+    default_out = folder.parent.parent / f"merged-{folder.name}" if kind == "checkpoint" else folder.parent / "merged"
+    out = Path(out) if out is not None else default_out
+    log.info("llmtune merge %s -> %s", folder, out.resolve())
     if kind == "checkpoint":
         model, tokenizer = _merge_checkpoint(folder, dtype)
-        default_out = folder.parent.parent / f"merged-{folder.name}"
     else:
         model, tokenizer = _merge_adapter(folder, dtype)
-        default_out = folder.parent / "merged"
-    out = Path(out) if out is not None else default_out
     # The adapter model ran with use_cache=False for training; the merged model is for inference.
     model.config.use_cache = True
     _write_atomically(model, tokenizer, out)

@@ -161,6 +161,11 @@ def make_accelerator(recipe: Recipe) -> tuple[Accelerator, str, str]:
 
 
 def build(recipe: Recipe) -> Run:
+    # The first line of a run: where to look (the folder is created when training starts, not before).
+    log.info(
+        "llmtune run -> %s (recipe.yaml, metrics.jsonl, run_summary.json, checkpoints/, final/)",
+        Path(recipe.output_dir).resolve(),
+    )
     accelerator, precision, precision_why = make_accelerator(recipe)
     resume_from = checkpoint_to_resume(recipe)
     set_seed(recipe.seed)

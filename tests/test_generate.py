@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import logging
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,16 @@ PROMPT = "tell me the quick"
 NEW_TOKENS = 8
 
 
-def train(recipe: Path) -> Path:
-    assert main(["train", "--recipe", str(recipe)]) == 0
-    return recipe.parent / "run"
+def train(recipe: Path, caplog) -> Path:
+    """Train through the CLI; a normal run says first where its outputs go and shows no third-party warnings."""
+    caplog.set_level(logging.INFO)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["train", "--recipe", str(recipe)]) == 0
+    assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
+    out = recipe.parent / "run"
+    assert caplog.records[0].getMessage().startswith(f"llmtune run -> {out.resolve()} ")
+    return out
 
 
 def greedy(model, tokenizer, prompt: str) -> str:
@@ -44,8 +53,8 @@ def cli_generate(capsys, run: Path, *extra: str) -> str:
     return capsys.readouterr().out.strip()
 
 
-def test_generate_and_chat_answer_as_plain_transformers(tiny_recipe, capsys, monkeypatch):
-    run = train(tiny_recipe())
+def test_generate_and_chat_answer_as_plain_transformers(tiny_recipe, capsys, monkeypatch, caplog):
+    run = train(tiny_recipe(), caplog)
     final = run / "final"
     expected = greedy(AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final), PROMPT)
     assert expected, "an empty answer would make the comparison meaningless"
@@ -66,15 +75,18 @@ def test_generate_and_chat_answer_as_plain_transformers(tiny_recipe, capsys, mon
     assert "plain prompts" in captured.err
 
 
-def test_lora_run_on_random_base_loads_with_plain_peft(tiny_recipe, capsys):
+def test_lora_run_on_random_base_loads_with_plain_peft(tiny_recipe, capsys, caplog):
     from peft import AutoPeftModelForCausalLM
 
-    run = train(tiny_recipe(peft__method="lora", peft__rank=4, peft__alpha=8.0))
+    from llmtune.model import peft_quietly
+
+    run = train(tiny_recipe(peft__method="lora", peft__rank=4, peft__alpha=8.0), caplog)
     final = run / "final"
     adapter_config = json.loads((final / "adapter_config.json").read_text())
     assert Path(adapter_config["base_model_name_or_path"]) == (final / "base").resolve()
 
-    model = AutoPeftModelForCausalLM.from_pretrained(final)  # the way peft's docs load an adapter
+    with peft_quietly():
+        model = AutoPeftModelForCausalLM.from_pretrained(final)  # the way peft's docs load an adapter
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert lora_b and any(p.abs().sum() > 0 for p in lora_b), "the adapter trained (B starts at zero)"
     expected = greedy(model, AutoTokenizer.from_pretrained(final), PROMPT)
