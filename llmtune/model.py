@@ -30,7 +30,7 @@ class SetupError(RuntimeError):
 
 def cpu_supports_bf16() -> bool:
     # Without native bf16 instructions (AVX512-BF16 / AMX) oneDNN emulates bf16: ~30x slower than fp32
-    # on an AVX2-only CPU (measured: 0.4-1.3 vs 13-46 GFLOP/s on an AMD EPYC Zen 3, 2 cores).
+    # on an AVX2-only CPU (benchmarks/results/measurements.md).
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
@@ -181,9 +181,8 @@ def compile_blocks(model: torch.nn.Module) -> int:
     LlamaDecoderLayer). All blocks share one compiled graph, so compile time is that of one block, not of
     the whole model; `Module.compile` keeps module names and state-dict keys unchanged (checkpoints and
     adapters load either way), and checkpointing wraps the compiled block as it wraps an eager one. The
-    loss (data-dependent chunking) and the embeddings stay eager. Measured on 2 CPU cores, h=512 Llama,
-    bf16 (scripts/bench_compile.py): 1.15x tokens/s without checkpointing, 1.12x with it, after ~20 s of
-    compiling with a cold cache (docs/speed.md).
+    loss (data-dependent chunking) and the embeddings stay eager. It pays on blocks with enough elementwise
+    work, after a one-off compile (scripts/bench_compile.py; figures in benchmarks/results/measurements.md).
     """
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(hf_model, "_no_split_modules", None) or ())

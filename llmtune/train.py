@@ -217,7 +217,7 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, device: torch.device)
 
         return bnb.optim.AdamW8bit(groups, lr=t.learning_rate, betas=tuple(t.adam_betas))
     # Fused AdamW does the whole update in one kernel with no state-sized temporaries; on a CPU torch's
-    # default loops tensor by tensor (measured on 46M params: 445 ms per step vs 37 ms fused).
+    # default loops tensor by tensor, ~10x slower (benchmarks/results/measurements.md).
     fused = device.type in ("cuda", "cpu") and all(p.dtype.is_floating_point for p in decay + no_decay)
     return torch.optim.AdamW(groups, lr=t.learning_rate, betas=tuple(t.adam_betas), fused=fused or None)
 

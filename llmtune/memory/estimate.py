@@ -8,7 +8,7 @@ a real CPU step keeps (saved activations, autocast weight copies, fp32 logits, A
 for any architecture transformers can build, with no per-architecture formula. Measured against
 real CPU steps it is exact to the byte in most cases (see benchmarks/results/). Deep models are
 traced at 2 and 3 layers (times the layer-kind period) and extrapolated: every segment's peak is
-affine in the layer count, so this matches a full trace exactly and a 70B config takes ~1-4 s.
+affine in the layer count, so this matches a full trace exactly and a 70B config takes seconds.
 
 Assumptions about the loop: no padding mask (packed or full rows), the loop keeps only the loss
 (not `outputs.logits`) through backward, `zero_grad(set_to_none=True)` after the step. The
