@@ -150,8 +150,9 @@ def cmd_schema(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from llmtune.generate import load_run, reply
 
+    sampling = _sampling(args)  # flags first: a bad one costs no model load
     run = load_run(args.run)
-    print(reply(run, [{"role": "user", "content": args.prompt}], _sampling(args)).strip())
+    print(reply(run, [{"role": "user", "content": args.prompt}], sampling).strip())
     return 0
 
 
@@ -160,6 +161,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     from llmtune.generate import describe, load_run, reply
 
+    sampling = _sampling(args)
     run = load_run(args.run)
     print(f"{describe(run)}. Empty line or Ctrl-D to quit; /reset forgets the conversation.", file=sys.stderr)
     streamer = TextStreamer(run.tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -176,7 +178,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": line})
         # The streamer prints the reply as it is generated; the full text is kept for the next turn.
-        messages.append({"role": "assistant", "content": reply(run, messages, _sampling(args), streamer).strip()})
+        messages.append({"role": "assistant", "content": reply(run, messages, sampling, streamer).strip()})
     return 0
 
 

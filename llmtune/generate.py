@@ -33,6 +33,12 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise GenerateError(f"--temperature {self.temperature}: must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise GenerateError(f"--top-p {self.top_p}: must be in (0, 1]")
+
     def generate_kwargs(self) -> dict[str, Any]:
         if self.temperature <= 0:
             return {"do_sample": False}

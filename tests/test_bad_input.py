@@ -132,6 +132,11 @@ CASES: dict[str, Case] = {
         "--max-new-tokens",
     ),
     "generate-no-prompt": lambda c: (["generate", "--run", str(c.tmp)], "--prompt"),
+    "generate-negative-temperature": lambda c: (
+        ["generate", "--run", str(c.tmp), "--prompt", "x", "--temperature", "-1"],
+        "--temperature",
+    ),
+    "chat-top-p-above-1": lambda c: (["chat", "--run", str(c.tmp), "--top-p", "1.5"], "--top-p"),
     "chat-run-missing": lambda c: (["chat", "--run", str(c.tmp / "no-run")], "no-run"),
     "chat-run-unfinished": lambda c: (
         ["chat", "--run", str(c.folder("unfinished", recipe__yaml="seed: 1"))],
