@@ -207,14 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("estimate", help="predict peak training memory and the micro-batch that fits (no weights)")
     p.add_argument("--recipe", help="recipe YAML file (or plan a model without one: --model)")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the recipe, e.g. data.max_length=4096")
-    p.add_argument("--model", help="plan without a recipe: a catalogue name (llama-3.1-8b, ...), a folder or a hub id")
+    from llmtune.catalogue import GPUS, MODELS
+
+    p.add_argument("--model", help=f"plan without a recipe: a folder, a hub id, or offline: {', '.join(MODELS)}")
     method = p.add_mutually_exclusive_group()
-    for flag in ("lora", "qlora", "full"):
-        method.add_argument(f"--{flag}", dest="method", action="store_const", const=flag, help=f"with --model: {flag}")
+    for flag, what in (("lora", "LoRA adapters (the default)"), ("qlora", "QLoRA"), ("full", "full fine-tune")):
+        method.add_argument(f"--{flag}", dest="method", action="store_const", const=flag, help=f"with --model: {what}")
     p.add_argument("--seq-len", type=_positive_int, help="with --model: tokens per example (default 2048)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--device-memory", help="memory per device to plan for, e.g. 24GiB")
-    where.add_argument("--gpu", help="plan for a known card, e.g. h100-80gb, a100-40gb, l4, rtx-4090")
+    where.add_argument("--gpu", help=f"plan for a known card: {', '.join(GPUS)}")
     p.add_argument("--device", choices=["cuda", "cpu"], help="the kind of device (default: this machine's)")
     p.add_argument("--num-processes", type=_positive_int, default=1, help="processes (GPUs) the run will use")
     p.add_argument("--sharding", choices=["none", "fsdp", "zero2", "zero3"], default="none")
