@@ -45,3 +45,4 @@ clean:
 docs: install
 	$(PY) -c "import re, pathlib; from llmtune.recipe import reference; p = pathlib.Path('docs/recipes.md'); \
 	t = p.read_text(); p.write_text(t[: t.index('| key |')] + reference())"
+	.venv/bin/llmtune schema > docs/recipe.schema.json

@@ -304,6 +304,7 @@ def run_bench(
     recipe = load_recipe(recipe_path, overrides)
     out_dir = Path(out_dir) if out_dir is not None else Path(recipe.output_dir) / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
+    log.info("llmtune bench -> %s (bench.json, bench.md, bench.png, one run per trial)", out_dir.resolve())
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     budget_bytes, budget_how = describe_budget(budget or recipe.memory.budget, device_type)
     trials = plan_trials(device_type, precisions)

@@ -171,9 +171,24 @@ def save_final(accelerator: Accelerator, model, tokenizer, output_dir: str | Pat
             from llmtune.merge import BASE_DIR, save_base_weights
 
             save_base_weights(inner, tmp / BASE_DIR, weights)
+            _name_base(tmp, (out / "final" / BASE_DIR).resolve())
     final = out / "final"
     _publish(accelerator, tmp, final)
     return final
+
+
+def _name_base(adapter_dir: Path, base: Path) -> None:
+    """Point `adapter_config.json` at the folder that holds the base weights.
+
+    peft writes the recipe's `model.name_or_path` there, which for `random_init` is a folder with a config and
+    no weights: `AutoPeftModelForCausalLM.from_pretrained(final/)` would fail. The path is absolute because
+    peft resolves it from the working directory, not from the adapter's folder; a moved run still loads in
+    llmtune (`merge`, `generate`), which look for `final/base/` beside the adapter first.
+    """
+    path = adapter_dir / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config["base_model_name_or_path"] = str(base)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _strip_prefix(state_dict: dict[str, Any] | None, prefix: str) -> dict[str, Any] | None:

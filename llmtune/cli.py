@@ -1,4 +1,4 @@
-"""`llmtune` command line: train, estimate, data, bench, plot, merge.
+"""`llmtune` command line: train, data, estimate, bench, plot, merge, generate, chat, schema.
 
 User mistakes (a bad recipe, bad data, a request this machine cannot run) print one clear message and
 exit with status 2 — never a traceback. A run stopped by a signal after checkpointing exits 75.
@@ -26,11 +26,26 @@ def _setup_logging() -> None:
     )
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # transformers 5 asks the authors of Phi-3/3.5's published config.json (rope `original_max_position_embeddings`
+    # without `factor`) to update it; the user who plans or trains that model can do nothing about it.
+    logging.getLogger("transformers.modeling_rope_utils").addFilter(
+        lambda record: "rope_parameters['original_max_position_embeddings']" not in record.getMessage()
+    )
 
 
 def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", required=True, help="recipe YAML file")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.max_steps=20 output_dir=/tmp/x")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -57,51 +72,122 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from transformers import AutoConfig
-
     from llmtune.loss import resolve_loss_impl
-    from llmtune.memory.estimate import format_bytes, parse_bytes
-    from llmtune.memory.plan import default_budget, estimate_settings, format_plan, plan_for_budget
+    from llmtune.memory.estimate import format_bytes
+    from llmtune.memory.plan import (
+        MemoryPlanError,
+        estimate_settings,
+        format_plan,
+        plan_for_budget,
+        planning_target,
+        recipe_for_model,
+    )
+    from llmtune.model import resolve_config
     from llmtune.recipe import load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
-    config = AutoConfig.from_pretrained(args.config or recipe.model.name_or_path, revision=recipe.model.revision)
-    settings = estimate_settings(
-        recipe,
-        loss=resolve_loss_impl(recipe.training.loss, config),
+    if args.model is not None and (args.recipe or args.overrides or args.config):
+        raise MemoryPlanError("--model plans without a recipe: leave out --recipe, --config and overrides")
+    if args.model is None and (args.method or args.seq_len):
+        raise MemoryPlanError("--lora/--qlora/--full and --seq-len go with --model (a recipe sets them itself)")
+    if args.model is None and not args.recipe:
+        raise MemoryPlanError("say what to plan: --model NAME_OR_DIR, or --recipe R")
+    recipe = load_recipe(args.recipe, args.overrides) if args.recipe else None
+    target = planning_target(
+        device_memory=args.device_memory,
+        gpu=args.gpu,
         device=args.device,
-        sharding=args.sharding,
+        recipe_budget=recipe.memory.budget if recipe else "auto",
     )
-    if args.device_memory:
-        budget = parse_bytes(args.device_memory)
-    elif recipe.memory.budget != "auto":
-        budget = parse_bytes(recipe.memory.budget)
-    elif args.device == "cuda" and not torch_cuda_available():
-        raise EstimateError(
-            "no GPU here to read free memory from: say how much the target has, e.g. --device-memory 80GiB"
+    if recipe is None:
+        recipe = recipe_for_model(
+            args.model, method=args.method or "lora", seq_len=args.seq_len or 2048, device=target.device
         )
-    else:
-        budget = default_budget(args.device)
-    plan = plan_for_budget(recipe, config, settings, budget_bytes=budget, num_processes=args.num_processes)
+    model = recipe.model
+    config = resolve_config(args.config or model.name_or_path, revision=model.revision)
+    settings = estimate_settings(
+        recipe, loss=resolve_loss_impl(recipe.training.loss, config), device=target.device, sharding=args.sharding
+    )
+    plan = plan_for_budget(recipe, config, settings, budget_bytes=target.budget_bytes, num_processes=args.num_processes)
     if args.plot:
         from llmtune.plot import plot_estimate
 
         plot_estimate(recipe, config, settings, plan, args.num_processes, args.plot)
     if args.json:
-        print(json.dumps(plan.to_dict()))
-    else:
-        print(format_plan(plan, title=f"{recipe.model.name_or_path}: {format_bytes(budget)} budget per process"))
+        print(json.dumps(plan.to_dict() | {"device": target.device, "budget_from": target.why}))
+        return 0
+    print(
+        format_plan(
+            plan, title=f"{_model_title(model.name_or_path)}: {format_bytes(target.budget_bytes)} budget per process"
+        )
+    )
+    print(f"budget: {target.why}")
+    if recipe.peft.method == "qlora":
+        print("QLoRA: the 4-bit base is not modelled; this is LoRA's figure on a bf16 base (an upper bound)")
+    if args.plot:
+        print(f"plot: {args.plot}")
     return 0
 
 
-def torch_cuda_available() -> bool:
-    import torch
+def _model_title(name: str) -> str:
+    from llmtune.catalogue import MODELS
 
-    return torch.cuda.is_available()
+    return f"{MODELS[name.lower()]} (catalogue: {name.lower()})" if name.lower() in MODELS else name
 
 
-class EstimateError(ValueError):
-    pass
+def _sampling(args: argparse.Namespace):
+    from llmtune.generate import Sampling
+
+    return Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from llmtune.recipe import json_schema
+
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from llmtune.generate import load_run, reply
+
+    sampling = _sampling(args)  # flags first: a bad one costs no model load
+    run = load_run(args.run)
+    print(reply(run, [{"role": "user", "content": args.prompt}], sampling).strip())
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from transformers import TextStreamer
+
+    from llmtune.generate import describe, load_run, reply
+
+    sampling = _sampling(args)
+    run = load_run(args.run)
+    print(f"{describe(run)}. Empty line or Ctrl-D to quit; /reset forgets the conversation.", file=sys.stderr)
+    streamer = TextStreamer(run.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    messages: list[dict[str, str]] = []
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        if line == "/reset":
+            messages = []
+            continue
+        messages.append({"role": "user", "content": line})
+        # The streamer prints the reply as it is generated; the full text is kept for the next turn.
+        messages.append({"role": "assistant", "content": reply(run, messages, sampling, streamer).strip()})
+    return 0
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    p.add_argument("--run", required=True, help="a run's output_dir (uses final/), or a final/ folder")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature > 0)")
+    p.add_argument("--seed", type=int, help="seed for sampling (reproducible samples)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,15 +205,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_data)
 
     p = sub.add_parser("estimate", help="predict peak training memory and the micro-batch that fits (no weights)")
-    _recipe_args(p)
-    p.add_argument("--device-memory", help="memory per device to plan for, e.g. 80GiB (default: memory.budget)")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the device the run will use")
-    p.add_argument("--num-processes", type=int, default=1, help="processes (GPUs) the run will use")
+    p.add_argument("--recipe", help="recipe YAML file (or plan a model without one: --model)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of the recipe, e.g. data.max_length=4096")
+    from llmtune.catalogue import GPUS, MODELS
+
+    p.add_argument("--model", help=f"plan without a recipe: a folder, a hub id, or offline: {', '.join(MODELS)}")
+    method = p.add_mutually_exclusive_group()
+    for flag, what in (("lora", "LoRA adapters (the default)"), ("qlora", "QLoRA"), ("full", "full fine-tune")):
+        method.add_argument(f"--{flag}", dest="method", action="store_const", const=flag, help=f"with --model: {what}")
+    p.add_argument("--seq-len", type=_positive_int, help="with --model: tokens per example (default 2048)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--device-memory", help="memory per device to plan for, e.g. 24GiB")
+    where.add_argument("--gpu", help=f"plan for a known card: {', '.join(GPUS)}")
+    p.add_argument("--device", choices=["cuda", "cpu"], help="the kind of device (default: this machine's)")
+    p.add_argument("--num-processes", type=_positive_int, default=1, help="processes (GPUs) the run will use")
     p.add_argument("--sharding", choices=["none", "fsdp", "zero2", "zero3"], default="none")
-    p.add_argument("--config", help="a folder or file with the model's config.json (else model.name_or_path)")
+    p.add_argument("--config", help="with --recipe: a folder or file with the model's config.json")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", help="write a PNG of the breakdown against micro-batch size")
     p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("generate", help="answer one prompt with a trained run (greedy unless --temperature)")
+    _sampling_args(p, max_new_tokens=64)
+    p.add_argument("--prompt", required=True, help="the prompt (as the run's data rendered prompts)")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat with a trained run in the terminal (streams replies)")
+    _sampling_args(p, max_new_tokens=256)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("schema", help="print the JSON Schema of recipe files (docs/recipe.schema.json)")
+    p.set_defaults(func=cmd_schema)
 
     from llmtune.bench import add_bench_parser
     from llmtune.merge import add_merge_parser
@@ -141,15 +249,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean the user asked for something wrong or impossible (exit 2, no traceback)."""
+    from llmtune.catalogue import CatalogueError
     from llmtune.checkpoint import ResumeError
     from llmtune.data import DataError
+    from llmtune.generate import GenerateError
     from llmtune.memory.plan import MemoryPlanError
     from llmtune.metrics import TrackerError
     from llmtune.model import SetupError
     from llmtune.recipe import RecipeError
     from llmtune.train import PlanError
 
-    return RecipeError, DataError, SetupError, ResumeError, TrackerError, PlanError, MemoryPlanError, EstimateError
+    return (
+        RecipeError,
+        DataError,
+        SetupError,
+        ResumeError,
+        TrackerError,
+        PlanError,
+        MemoryPlanError,
+        CatalogueError,
+        GenerateError,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

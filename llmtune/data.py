@@ -496,6 +496,14 @@ def render_text(text: str, tokenizer: Any) -> tuple[list[int], list[int]]:
     return ids, _mask_first(list(ids))
 
 
+def render_prompt(prompt: str, tokenizer: Any) -> list[int]:
+    """The ids of a prompt as `prompt_completion` trains it, and so as the trained model must be prompted."""
+    ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    if ids and ids[-1] == tokenizer.eos_token_id and len(ids) > 1:
+        ids = ids[:-1]  # a tokenizer that appends EOS must not end the prompt with it
+    return ids
+
+
 def render_prompt_completion(
     prompt: str, completion: str, tokenizer: Any, train_on: str
 ) -> tuple[list[int], list[int]]:
@@ -504,9 +512,7 @@ def render_prompt_completion(
     The two are tokenised separately: the mask boundary is exact and the prompt ids are the ones the
     model is given at inference (joint tokenisation can merge across the boundary).
     """
-    prompt_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    if prompt_ids and prompt_ids[-1] == tokenizer.eos_token_id and len(prompt_ids) > 1:
-        prompt_ids = prompt_ids[:-1]  # a tokenizer that appends EOS must not end the prompt with it
+    prompt_ids = render_prompt(prompt, tokenizer)
     completion_ids = _with_eos(list(tokenizer(completion, add_special_tokens=False)["input_ids"]), tokenizer)
     ids = prompt_ids + completion_ids
     if train_on == "all":

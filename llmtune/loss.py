@@ -104,8 +104,8 @@ def default_chunk_size(vocab_size: int) -> int:
     """Token rows per loss chunk: ~8 Mi logits (32 MiB in fp32) per chunk, kept between 128 and 1024 rows.
 
     At vocab 32000 that is 262 rows; at 128256, 128. Sizing chunks by bytes rather than a fixed 1024 rows
-    took the loss buffers of scripts/bench_vs_hf.py's defaults mode (vocab 32000) from 259 to 118 MiB (by
-    the estimator); scripts/bench_loss.py measured 256-row chunks at 0.8-0.95x of HF's loss time.
+    halves the loss buffers at vocab 32000 and costs no speed against HF's loss (scripts/bench_loss.py;
+    figures in benchmarks/results/measurements.md).
     """
     return max(128, min(1024, 2**23 // vocab_size))
 

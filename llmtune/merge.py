@@ -63,13 +63,13 @@ def merge_run(run_dir: str | Path, out: str | Path | None = None, *, dtype: str 
     if dtype != "auto" and dtype not in DTYPES:
         raise MergeError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
     kind, folder = locate(Path(run_dir))
+    default_out = folder.parent.parent / f"merged-{folder.name}" if kind == "checkpoint" else folder.parent / "merged"
+    out = Path(out) if out is not None else default_out
+    log.info("llmtune merge %s -> %s", folder, out.resolve())
     if kind == "checkpoint":
         model, tokenizer = _merge_checkpoint(folder, dtype)
-        default_out = folder.parent.parent / f"merged-{folder.name}"
     else:
         model, tokenizer = _merge_adapter(folder, dtype)
-        default_out = folder.parent / "merged"
-    out = Path(out) if out is not None else default_out
     # The adapter model ran with use_cache=False for training; the merged model is for inference.
     model.config.use_cache = True
     _write_atomically(model, tokenizer, out)
@@ -112,9 +112,19 @@ def _full_finetune_message(folder: Path) -> str:
 
 
 def _merge_adapter(adapter_dir: Path, dtype: str):
+    model, tokenizer = load_adapter_model(adapter_dir, dtype)
+    # safe_merge checks the merged weights for NaN/inf before committing them.
+    return model.merge_and_unload(safe_merge=True), tokenizer
+
+
+def load_adapter_model(adapter_dir: Path, dtype: str = "auto"):
+    """(peft model, tokenizer) of an adapter folder (`final/`): its base loaded from where the weights really
+    are (`base_source`), the adapter on top, unmerged. `dtype` as for `merge_run`."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmtune.model import peft_quietly
 
     adapter_config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
     recipe = _recipe_near(adapter_dir)
@@ -131,12 +141,11 @@ def _merge_adapter(adapter_dir: Path, dtype: str):
         model = AutoModelForCausalLM.from_pretrained(str(base), **kwargs)
     except (OSError, ValueError) as err:
         raise MergeError(f"cannot load the base model {base} named by {adapter_dir / ADAPTER_CONFIG}: {err}") from err
-    model = PeftModel.from_pretrained(model, str(adapter_dir))
-    # safe_merge checks the merged weights for NaN/inf before committing them.
-    merged = model.merge_and_unload(safe_merge=True)
+    with peft_quietly():
+        model = PeftModel.from_pretrained(model, str(adapter_dir))
     tok_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=kwargs["trust_remote_code"])
-    return merged, tokenizer
+    return model, tokenizer
 
 
 def _recipe_near(adapter_dir: Path) -> dict[str, Any] | None:

@@ -7,12 +7,18 @@ gradient checkpointing through transformers' own API, then wrap with PEFT adapte
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from llmtune.catalogue import MODELS, model_config_dir
 from llmtune.recipe import ModelConfig, PeftConfig, Recipe
 
 log = logging.getLogger(__name__)
@@ -24,7 +30,7 @@ class SetupError(RuntimeError):
 
 def cpu_supports_bf16() -> bool:
     # Without native bf16 instructions (AVX512-BF16 / AMX) oneDNN emulates bf16: ~30x slower than fp32
-    # on an AVX2-only CPU (measured: 0.4-1.3 vs 13-46 GFLOP/s on an AMD EPYC Zen 3, 2 cores).
+    # on an AVX2-only CPU (benchmarks/results/measurements.md).
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
@@ -77,9 +83,21 @@ def check_requirements(recipe: Recipe, device_type: str) -> None:
 
 
 def load_tokenizer(cfg: ModelConfig):
-    tokenizer = AutoTokenizer.from_pretrained(
-        cfg.tokenizer or cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
-    )
+    source = cfg.tokenizer or cfg.name_or_path
+    key = "model.tokenizer" if cfg.tokenizer else "model.name_or_path"
+    path = Path(source).expanduser()
+    if not path.exists() and not _HUB_ID.fullmatch(source):
+        raise SetupError(f"{key}={source}: no such folder")
+    if path.is_dir() and not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        raise SetupError(f"{key}={source}: the folder holds no tokenizer ({', '.join(_TOKENIZER_FILES)})")
+    if source.lower() in MODELS and not path.exists():
+        raise SetupError(f"{key}={source}: the catalogue holds only configs; name the hub id {MODELS[source.lower()]}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        raise SetupError(f"{key}={source}: cannot load a tokenizer: {_why(source, err)}") from None
     if tokenizer.pad_token is None:
         # Padding positions are masked out of attention and loss, so any id is safe to pad with.
         tokenizer.pad_token = tokenizer.eos_token
@@ -87,7 +105,43 @@ def load_tokenizer(cfg: ModelConfig):
 
 
 def load_config(cfg: ModelConfig) -> PretrainedConfig:
-    return AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    return resolve_config(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+
+
+def resolve_config(name: str, *, revision: str | None = None, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The config of `name`: a catalogue model (offline), a local folder or config.json file, or a hub id
+    (only its config.json is fetched). Anything else is a SetupError that names `name` in one line."""
+    path = Path(name).expanduser()
+    # A local folder wins over a catalogue entry of the same name; a pinned revision is the hub's to answer.
+    folder = model_config_dir(name) if not path.exists() and revision is None else None
+    if folder is None and not path.exists() and not _HUB_ID.fullmatch(name):
+        raise SetupError(f"{name}: no such folder")
+    if folder is None and path.is_dir() and not (path / "config.json").is_file():
+        raise SetupError(f"{name}: the folder has no config.json")
+    try:
+        return AutoConfig.from_pretrained(
+            str(folder or name), revision=None if folder else revision, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        raise SetupError(f"{name}: cannot read the model's config: {_why(name, err)}") from None
+
+
+# [owner/]name, as the hub spells repository ids; a missing local path of another shape (./x, /x, a/b/c) is
+# refused as a missing folder without asking the hub.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]*[A-Za-z0-9_])?")
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _why(name: str, err: BaseException) -> str:
+    """One line for an error of transformers/huggingface_hub loading `name`."""
+    text = str(err)
+    if "couldn't connect" in text or "offline" in text.lower():
+        return "the hub cannot be reached (offline?) and nothing is cached"
+    if not Path(name).exists() and _HUB_ID.fullmatch(name):
+        return f"not a local folder, and the hub has no model {name} (or it is gated: huggingface-cli login)"
+    return text.strip().splitlines()[0] if text.strip() else type(err).__name__
 
 
 def load_model(recipe: Recipe, precision: str, config: PretrainedConfig) -> PreTrainedModel:
@@ -127,9 +181,8 @@ def compile_blocks(model: torch.nn.Module) -> int:
     LlamaDecoderLayer). All blocks share one compiled graph, so compile time is that of one block, not of
     the whole model; `Module.compile` keeps module names and state-dict keys unchanged (checkpoints and
     adapters load either way), and checkpointing wraps the compiled block as it wraps an eager one. The
-    loss (data-dependent chunking) and the embeddings stay eager. Measured on 2 CPU cores, h=512 Llama,
-    bf16 (scripts/bench_compile.py): 1.15x tokens/s without checkpointing, 1.12x with it, after ~20 s of
-    compiling with a cold cache (docs/speed.md).
+    loss (data-dependent chunking) and the embeddings stay eager. It pays on blocks with enough elementwise
+    work, after a one-off compile (scripts/bench_compile.py; figures in benchmarks/results/measurements.md).
     """
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(hf_model, "_no_split_modules", None) or ())
@@ -152,6 +205,15 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+@contextlib.contextmanager
+def peft_quietly() -> Iterator[None]:
+    """Wrap peft model construction: peft (0.17-0.21) reads transformers 5's deprecated `is_gradient_checkpointing`
+    property, which warns once per wrapped model (a FutureWarning addressed to peft, not to our users)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def apply_peft(model: PreTrainedModel, cfg: PeftConfig, *, gradient_checkpointing: bool):
@@ -177,7 +239,8 @@ def apply_peft(model: PreTrainedModel, cfg: PeftConfig, *, gradient_checkpointin
         modules_to_save=cfg.modules_to_save or None,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, lora)
+    with peft_quietly():
+        return get_peft_model(model, lora)
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

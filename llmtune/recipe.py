@@ -239,20 +239,82 @@ def reference() -> str:
     return "\n".join(lines) + "\n"
 
 
+# YAML 1.1 (PyYAML) reads 1e-4 (no dot) as a string; the loader accepts it as a number, so the schema does too.
+_FLOAT_STRING = r"^[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$"
+
+
+def json_schema() -> dict[str, Any]:
+    """JSON Schema (draft 2020-12) of a recipe file, generated from the dataclasses above (`llmtune schema`).
+
+    Editors use it (the `# yaml-language-server: $schema=...` line of the shipped recipes) to complete keys and
+    flag typos as you type; `load_recipe` stays the authority (it also checks values the types cannot express).
+    """
+
+    def of_type(tp: Any) -> dict[str, Any]:
+        origin = typing.get_origin(tp)
+        if dataclasses.is_dataclass(tp):
+            return of_dataclass(tp)
+        if origin in (Union, types.UnionType):
+            return {"anyOf": [of_type(a) for a in typing.get_args(tp)]}
+        if origin is Literal:
+            return {"enum": list(typing.get_args(tp))}
+        if origin is list:
+            return {"type": "array", "items": of_type(typing.get_args(tp)[0])}
+        if origin is dict:
+            return {"type": "object", "additionalProperties": {"type": "string"}}
+        if tp is float:
+            return {"anyOf": [{"type": "number"}, {"type": "string", "pattern": _FLOAT_STRING}]}
+        names = {int: "integer", str: "string", bool: "boolean", type(None): "null"}
+        return {"type": names[tp]}
+
+    def of_dataclass(cls: type) -> dict[str, Any]:
+        hints = typing.get_type_hints(cls)
+        properties, required = {}, []
+        for f in dataclasses.fields(cls):
+            prop = {"description": f.metadata["doc"], **of_type(hints[f.name])}
+            if f.default is not dataclasses.MISSING:
+                prop["default"] = f.default
+            elif f.default_factory is not dataclasses.MISSING and not dataclasses.is_dataclass(hints[f.name]):
+                prop["default"] = f.default_factory()
+            elif f.default_factory is dataclasses.MISSING:
+                required.append(f.name)
+            properties[f.name] = prop
+        out = {"type": "object", "properties": properties, "additionalProperties": False}
+        return out | ({"required": required} if required else {})
+
+    root = of_dataclass(Recipe)
+    # `base:` is read before validation (a recipe inherits from another), so it is no dataclass field.
+    root["properties"]["base"] = {"description": "Recipe file this one inherits from.", "type": "string"}
+    # A recipe with a `base:` may leave required keys to its base.
+    root.pop("required")
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "llmtune recipe",
+        "description": "Generated from llmtune/recipe.py by `llmtune schema`; see docs/recipes.md.",
+        **root,
+    }
+
+
 def dump_recipe(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
 
 
 def _read_with_bases(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], dict[str, str]]:
     """Deep-merge a recipe over its `base:` (relative to the recipe's folder); track each key's file."""
+    if path.is_dir():
+        raise RecipeError([f"{path}: is a folder, not a recipe file"])
     if not path.is_file():
         raise RecipeError([f"{path}: recipe file not found"])
     if path.resolve() in seen:
         raise RecipeError([f"{path}: `base:` chain loops back to itself"])
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
+    except OSError as err:
+        raise RecipeError([f"{path}: cannot read: {err.strerror}"]) from None
+    except UnicodeDecodeError as err:
+        raise RecipeError([f"{path}: not UTF-8 text (byte {err.start}): is it a recipe YAML file?"]) from None
     except yaml.YAMLError as err:
-        raise RecipeError([f"{path}: not valid YAML: {err}"]) from None
+        raise RecipeError([f"{path}: not valid YAML: {' '.join(str(err).split())}"]) from None
     if not isinstance(data, dict):
         raise RecipeError([f"{path}: a recipe must be a mapping of keys, got {type(data).__name__}"])
     base = data.pop("base", None)

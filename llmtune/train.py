@@ -15,7 +15,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from llmtune import checkpoint
 from llmtune.data import PreparedData, batch_for_step, collate, eval_batches, prepare_data
 from llmtune.loss import CausalLMWithLoss, resolve_loss_impl
 from llmtune.memory.measure import PeakMemoryTracker
-from llmtune.memory.plan import estimate_settings, plan_for_budget, resolve_budget
+from llmtune.memory.plan import BatchPlan, estimate_settings, plan_for_budget, resolve_budget
 from llmtune.metrics import MetricsLogger, check_trackers, flops_per_token, measure_peak_flops
 from llmtune.model import (
     SetupError,
@@ -77,27 +77,6 @@ class Run:
 # ---------------------------------------------------------------- batch plan
 
 
-@dataclass
-class BatchPlan:
-    """How the global batch is split: global = micro x accumulation x processes."""
-
-    micro_batch_size: int
-    grad_accum_steps: int
-    num_processes: int
-    source: str  # "recipe", "planner", or "planner, shrunk after out-of-memory"
-    predicted_peak_bytes: int | None = None
-    budget_bytes: int | None = None
-
-    def describe(self) -> str:
-        if self.predicted_peak_bytes is None:
-            return "micro-batch fixed by the recipe (set training.micro_batch_size: auto to plan it)"
-        peak, budget = self.predicted_peak_bytes / 2**30, self.budget_bytes / 2**30
-        return f"predicted peak {peak:.2f} GiB of a {budget:.2f} GiB budget"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 def make_plan(recipe: Recipe, config: Any, precision: str, loss_impl: str, acc: Accelerator) -> BatchPlan:
     """The recipe's micro-batch, or (`auto`) the largest the memory estimate fits into the budget."""
     t, n = recipe.training, acc.num_processes
@@ -116,8 +95,7 @@ def make_plan(recipe: Recipe, config: Any, precision: str, loss_impl: str, acc: 
     budget = int(acc.gather(torch.tensor([budget], device=acc.device)).min())
     device = "cuda" if acc.device.type == "cuda" else "cpu"
     settings = estimate_settings(recipe, loss=loss_impl, device=device, sharding=sharding_of(acc), precision=precision)
-    plan = plan_for_budget(recipe, config, settings, budget_bytes=budget, num_processes=n)
-    return BatchPlan(plan.micro_batch_size, plan.grad_accum_steps, n, "planner", plan.predicted_peak_bytes, budget)
+    return plan_for_budget(recipe, config, settings, budget_bytes=budget, num_processes=n)
 
 
 def sharding_of(acc: Accelerator) -> str:
@@ -183,6 +161,11 @@ def make_accelerator(recipe: Recipe) -> tuple[Accelerator, str, str]:
 
 
 def build(recipe: Recipe) -> Run:
+    # The first line of a run: where to look (the folder is created when training starts, not before).
+    log.info(
+        "llmtune run -> %s (recipe.yaml, metrics.jsonl, run_summary.json, checkpoints/, final/)",
+        Path(recipe.output_dir).resolve(),
+    )
     accelerator, precision, precision_why = make_accelerator(recipe)
     resume_from = checkpoint_to_resume(recipe)
     set_seed(recipe.seed)
@@ -234,7 +217,7 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, device: torch.device)
 
         return bnb.optim.AdamW8bit(groups, lr=t.learning_rate, betas=tuple(t.adam_betas))
     # Fused AdamW does the whole update in one kernel with no state-sized temporaries; on a CPU torch's
-    # default loops tensor by tensor (measured on 46M params: 445 ms per step vs 37 ms fused).
+    # default loops tensor by tensor, ~10x slower (benchmarks/results/measurements.md).
     fused = device.type in ("cuda", "cpu") and all(p.dtype.is_floating_point for p in decay + no_decay)
     return torch.optim.AdamW(groups, lr=t.learning_rate, betas=tuple(t.adam_betas), fused=fused or None)
 
@@ -285,7 +268,7 @@ def resume(run: Run, path: Path) -> None:
     state = checkpoint.load_checkpoint(run.accelerator, path, trainable_only=run.recipe.peft.method != "none")
     run.start_step = state["step"]
     run.counters.update(state["counters"])
-    run.plan = BatchPlan(**state["plan"])
+    run.plan = BatchPlan.from_state(state["plan"])
     log.info("resumed from %s at step %d", path, run.start_step)
 
 
@@ -516,7 +499,7 @@ def preemption_requested(acc: Accelerator, preemption: Preemption) -> bool:
 
 
 def save(run: Run, step: int) -> None:
-    state = {"step": step, "counters": run.counters, "plan": asdict(run.plan)}
+    state = {"step": step, "counters": run.counters, "plan": run.plan.state()}
     checkpoint.save_checkpoint(
         run.accelerator, run.recipe.output_dir, step, state, dump_recipe(run.recipe), run.recipe.checkpoint.keep_last
     )

@@ -15,6 +15,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from llmtune.data import render_prompt
+from llmtune.generate import Sampling, answer
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,19 +37,12 @@ def main() -> None:
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()][: args.limit]
     by_kind: dict[str, list[bool]] = {}
     for row in rows:
-        ids = tokenizer(row["prompt"], return_tensors="pt").input_ids
+        # Prompted and decoded as `llmtune generate` does (greedy, the prompt ids the run trained on).
         target = tokenizer(row["completion"], add_special_tokens=False).input_ids
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                max_new_tokens=len(target) + 2,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-        answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        sampling = Sampling(max_new_tokens=len(target) + 2)
+        answer_text = answer(model, tokenizer, render_prompt(row["prompt"], tokenizer), sampling)
         kind = row["prompt"].split()[0]  # What / Reverse / Sort
-        by_kind.setdefault(kind, []).append(answer.strip() == row["completion"].strip())
+        by_kind.setdefault(kind, []).append(answer_text.strip() == row["completion"].strip())
     total = [ok for oks in by_kind.values() for ok in oks]
     print(f"exact-match accuracy on {len(total)} eval rows: {sum(total) / len(total):.1%}")
     for kind, oks in sorted(by_kind.items()):

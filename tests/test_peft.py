@@ -367,7 +367,7 @@ def test_cpu_refusals_exit_2_before_loading(tmp_path, tiny_data, capsys, no_load
 def test_llama3_8b_lora_recipe_validates_and_counts():
     recipe = load_recipe(ROOT / "recipes" / "llama3-8b-lora.yaml")
     assert recipe.model.name_or_path == "meta-llama/Llama-3.1-8B" and recipe.peft.method == "lora"
-    config = AutoConfig.from_pretrained(ROOT / "recipes" / "models" / "llama-3.1-8b")
+    config = AutoConfig.from_pretrained(ROOT / "llmtune" / "catalogue" / "llama-3.1-8b")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) == 8_030_261_248  # Llama-3.1-8B's published count

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -120,3 +121,40 @@ def test_recipe_reference_is_in_sync_with_the_code():
     from llmtune.recipe import reference
 
     assert reference() in (ROOT / "docs" / "recipes.md").read_text(), "run `make docs`"
+
+
+def test_json_schema_is_in_sync_with_the_code():
+    """docs/recipe.schema.json is what `llmtune schema` prints (`make docs` regenerates it)."""
+    from llmtune.recipe import json_schema
+
+    committed = json.loads((ROOT / "docs" / "recipe.schema.json").read_text())
+    assert committed == json_schema()
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_recipe_names_and_passes_the_schema(path):
+    import jsonschema
+
+    first = path.read_text().splitlines()[0]
+    schema_path = (path.parent / first.removeprefix("# yaml-language-server: $schema=")).resolve()
+    assert first.startswith("# yaml-language-server: $schema=") and schema_path == ROOT / "docs" / "recipe.schema.json"
+    schema = json.loads(schema_path.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.Draft202012Validator(schema).validate(yaml.safe_load(path.read_text()))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"model": {"name_or_path": "x", "attn_implementation": "flash"}},  # not one of the choices
+        {"training": {"learning_rat": 1e-4}},  # a typo: additionalProperties is false
+        {"training": {"micro_batch_size": "big"}},  # an integer or auto
+        {"data": {"train": [{"format": "text"}]}},  # a source needs its path
+    ],
+)
+def test_schema_refuses_what_the_loader_refuses(bad):
+    import jsonschema
+
+    from llmtune.recipe import json_schema
+
+    assert list(jsonschema.Draft202012Validator(json_schema()).iter_errors(bad))

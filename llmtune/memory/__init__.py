@@ -9,12 +9,12 @@
 
 from llmtune.memory.estimate import LoraSpec, MemoryEstimate, estimate, format_bytes, parse_bytes
 from llmtune.memory.measure import PeakMemoryTracker
-from llmtune.memory.plan import MemoryPlan, MemoryPlanError, default_budget, plan_micro_batch
+from llmtune.memory.plan import BatchPlan, MemoryPlanError, default_budget, plan_micro_batch
 
 __all__ = [
+    "BatchPlan",
     "LoraSpec",
     "MemoryEstimate",
-    "MemoryPlan",
     "MemoryPlanError",
     "PeakMemoryTracker",
     "default_budget",

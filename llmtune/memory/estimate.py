@@ -8,7 +8,7 @@ a real CPU step keeps (saved activations, autocast weight copies, fp32 logits, A
 for any architecture transformers can build, with no per-architecture formula. Measured against
 real CPU steps it is exact to the byte in most cases (see benchmarks/results/). Deep models are
 traced at 2 and 3 layers (times the layer-kind period) and extrapolated: every segment's peak is
-affine in the layer count, so this matches a full trace exactly and a 70B config takes ~1-4 s.
+affine in the layer count, so this matches a full trace exactly and a 70B config takes seconds.
 
 Assumptions about the loop: no padding mask (packed or full rows), the loop keeps only the loss
 (not `outputs.logits`) through backward, `zero_grad(set_to_none=True)` after the step. The
@@ -39,14 +39,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from llmtune.loss import default_chunk_size
+from llmtune.loss import chunked_cross_entropy, default_chunk_size
 from llmtune.memory.measure import LiveStorageCounter
-from llmtune.model import enable_gradient_checkpointing
+from llmtune.model import enable_gradient_checkpointing, peft_quietly
 
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
-OPTIMIZERS = ("adamw", "adamw_fused", "adamw_foreach", "adamw_8bit", "sgd")
+OPTIMIZERS = ("adamw", "adamw_fused", "adamw_8bit")
 LOSSES = ("hf", "chunked")
 SHARDINGS = ("none", "fsdp", "zero2", "zero3")
 DEVICES = ("cuda", "cpu")
@@ -166,28 +165,25 @@ def _build_model(config: Any, precision: str, attn_implementation: str, lora: Lo
         move = torch.nn.Module.to
         torch.nn.Module.to = lambda self, *a, **k: self
         try:
-            model = get_peft_model(
-                model,
-                LoraConfig(
-                    r=lora.rank,
-                    lora_alpha=lora.alpha,
-                    target_modules=target if isinstance(target, str) else list(target),
-                    lora_dropout=0.1 if lora.dropout else 0.0,
-                    task_type="CAUSAL_LM",
-                ),
-            )
+            with peft_quietly():
+                model = get_peft_model(
+                    model,
+                    LoraConfig(
+                        r=lora.rank,
+                        lora_alpha=lora.alpha,
+                        target_modules=target if isinstance(target, str) else list(target),
+                        lora_dropout=0.1 if lora.dropout else 0.0,
+                        task_type="CAUSAL_LM",
+                    ),
+                )
         finally:
             torch.nn.Module.to = move
     return model
 
 
 def _build_optimizer(params: list[torch.nn.Parameter], optimizer: str, device: str):
-    if optimizer == "sgd":
-        return torch.optim.SGD(params, lr=1e-3)
     if optimizer == "adamw_fused":
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
-    if optimizer == "adamw_foreach":
-        return torch.optim.AdamW(params, lr=1e-3, foreach=True)
     if optimizer == "adamw_8bit":
         # bitsandbytes updates one tensor at a time, like the for-loop implementation.
         return torch.optim.AdamW(params, lr=1e-3, foreach=False)
@@ -197,28 +193,10 @@ def _build_optimizer(params: list[torch.nn.Parameter], optimizer: str, device: s
 
 def _chunked_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, chunk: int) -> torch.Tensor:
     """The chunked loss as llmtune's training loop calls it (`llmtune.loss.CausalLMWithLoss`), so the
-    trace keeps what that implementation keeps; a checkpointed reference if it is not importable."""
+    trace keeps what that implementation keeps."""
     shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    try:
-        from llmtune.loss import chunked_cross_entropy
-    except ImportError:
-        return _reference_chunked_ce(flat, head.weight, shift_labels, chunk)
     return chunked_cross_entropy(flat, head.weight, shift_labels, bias=head.bias, chunk_size=chunk)
-
-
-def _reference_chunked_ce(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Chunked cross-entropy with per-chunk recompute: nothing of size N*V is kept."""
-
-    def piece(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = torch.nn.functional.linear(h, w).float()
-        return torch.nn.functional.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
-
-    total = h.new_zeros((), dtype=torch.float32)
-    for start in range(0, h.shape[0], chunk):
-        end = start + chunk
-        total = total + checkpoint(piece, h[start:end], weight, y[start:end], use_reentrant=False)
-    return total
 
 
 @dataclass
@@ -310,6 +288,7 @@ class _TraceCounter(LiveStorageCounter):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.phase = "forward"  # forward / backward / optimizer_step: where each segment's peak happened
         self.segment: str | None = None
         self.segments: dict[str, _SegmentPeak] = {}
 

@@ -11,7 +11,7 @@ allocating anything.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -72,25 +72,20 @@ class LiveStorageCounter(TorchDispatchMode):
         *,
         limit_bytes: int | None = None,
         round_to: int = 1,
-        on_op: Callable[[Any], None] | None = None,
     ) -> None:
         super().__init__()
         self.limit_bytes = limit_bytes
         self.round_to = round_to
         self.tag = DEFAULT_TAG
-        self.phase = "forward"
         self.scale: dict[str, float] = {}
         self.extra_bytes = 0  # modelled buffers that exist in no tensor here (e.g. FSDP all-gathers)
         self.live_bytes = 0
         self.peak_bytes = 0
-        self.peak_by_tag: dict[str, int] = {}
-        self.peak_phase = self.phase
         self._by_tag: dict[str, float] = {}
         # id(storage) -> (bytes, tag, weakref). The weakref's callback subtracts the storage when
         # PyTorch frees it; dropping the dict (stop()) drops the callbacks, leaving nothing behind
         # in long-lived tensors (weakref.finalize would stay registered until they die).
         self._live: dict[int, tuple[int, str, weakref.ref]] = {}
-        self._on_op = on_op
 
     # -- registration --------------------------------------------------------------------------
     def register(self, t: torch.Tensor, tag: str | None = None) -> None:
@@ -145,10 +140,6 @@ class LiveStorageCounter(TorchDispatchMode):
         now = self.live_bytes + self.extra_bytes
         if now > self.peak_bytes:
             self.peak_bytes = int(round(now))
-            self.peak_phase = self.phase
-            self.peak_by_tag = {k: int(round(v)) for k, v in self._by_tag.items() if v > 0.5}
-            if self.extra_bytes:
-                self.peak_by_tag["sharding_buffers"] = int(self.extra_bytes)
         if self.limit_bytes is not None and now > self.limit_bytes:
             # The wording of a real CPU allocation failure, so handlers that match messages
             # (accelerate's find_executable_batch_size) treat it as out-of-memory too.
@@ -177,8 +168,6 @@ class LiveStorageCounter(TorchDispatchMode):
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in self._live:
                 self.register(t)
-        if self._on_op is not None:
-            self._on_op(func, args)
         out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
@@ -221,7 +210,6 @@ class PeakMemoryTracker:
         self.baseline = list(baseline)
         self.limit_bytes = limit_bytes
         self._counter: LiveStorageCounter | None = None
-        self._cuda_start = 0
         self._cuda_peak_after_exit: int | None = None
         self._eager: Any = None  # the force_eager stance held while counting on CPU
         self._final_bytes: int | None = None  # live bytes at exit (CPU)

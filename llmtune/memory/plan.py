@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 from llmtune.memory.estimate import MemoryEstimate, estimate, format_bytes
 from llmtune.recipe import Recipe
+
+log = logging.getLogger(__name__)
 
 _GiB = 1024**3
 
@@ -19,26 +22,49 @@ class MemoryPlanError(ValueError):
 
 
 @dataclass
-class MemoryPlan:
+class BatchPlan:
+    """How the global batch is split (global = micro x accumulation x processes) and what that costs in memory.
+
+    `source` says who chose the micro-batch: "recipe", "planner", or "planner, shrunk after out-of-memory".
+    A plan from the planner also carries its predicted peak, the budget it fits and the estimate behind it.
+    """
+
     micro_batch_size: int
     grad_accum_steps: int
-    predicted_peak_bytes: int
-    budget_bytes: int
-    estimate: MemoryEstimate
+    num_processes: int = 1
+    source: str = "planner"
+    predicted_peak_bytes: int | None = None
+    budget_bytes: int | None = None
+    estimate: MemoryEstimate | None = field(default=None, repr=False, compare=False)
+
+    def describe(self) -> str:
+        if self.predicted_peak_bytes is None:
+            return "micro-batch fixed by the recipe (set training.micro_batch_size: auto to plan it)"
+        return f"predicted peak {format_bytes(self.predicted_peak_bytes)} of a {format_bytes(self.budget_bytes)} budget"
+
+    def state(self) -> dict[str, Any]:
+        """The plan without its estimate: what a checkpoint keeps and `from_state` reads back."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "estimate"}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> BatchPlan:
+        return cls(**state)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "micro_batch_size": self.micro_batch_size,
-            "grad_accum_steps": self.grad_accum_steps,
-            "predicted_peak_bytes": self.predicted_peak_bytes,
-            "predicted_peak": format_bytes(self.predicted_peak_bytes),
-            "budget_bytes": self.budget_bytes,
-            "budget": format_bytes(self.budget_bytes),
-            "peak_bytes": self.predicted_peak_bytes,
-            "peak_phase": self.estimate.peak_phase,
-            "breakdown": self.estimate.breakdown,
-            "estimate": self.estimate.to_dict(),
-        }
+        """The plan, readable sizes and (from the planner) the estimate: `llmtune estimate --json`, run_summary.json."""
+        out = self.state()
+        if self.predicted_peak_bytes is not None:
+            out["predicted_peak"] = format_bytes(self.predicted_peak_bytes)
+        if self.budget_bytes is not None:
+            out["budget"] = format_bytes(self.budget_bytes)
+        if self.estimate is not None:
+            out |= {
+                "peak_bytes": self.estimate.peak_bytes,
+                "peak_phase": self.estimate.peak_phase,
+                "breakdown": self.estimate.breakdown,
+                "estimate": self.estimate.to_dict(),
+            }
+        return out
 
 
 def _candidates(global_batch_size: int, num_processes: int) -> list[int]:
@@ -59,13 +85,20 @@ def plan_micro_batch(
     budget_bytes: int,
     seq_len: int,
     **estimate_kwargs: Any,
-) -> MemoryPlan:
+) -> BatchPlan:
     """Largest micro-batch whose estimated peak fits `budget_bytes` and divides the global batch.
 
     The peak grows with the micro-batch (it is affine in it at a fixed length), so a binary
     search over the allowed micro-batches needs about log2(#divisors) estimates.
     """
     candidates = _candidates(global_batch_size, num_processes)
+    # Each estimate traces a training step on fake tensors: a second or more on a large config.
+    log.info(
+        "estimating peak memory: micro-batches %s x %d tokens against %s (a few estimates, ~1-4 s each)",
+        "/".join(map(str, candidates)),
+        seq_len,
+        format_bytes(budget_bytes),
+    )
 
     def predict(m: int) -> MemoryEstimate:
         accum = global_batch_size // (m * num_processes)
@@ -99,9 +132,11 @@ def plan_micro_batch(
         else:
             hi = mid - 1
     m, est = best
-    return MemoryPlan(
+    return BatchPlan(
         micro_batch_size=m,
         grad_accum_steps=global_batch_size // (m * num_processes),
+        num_processes=num_processes,
+        source="planner",
         predicted_peak_bytes=est.peak_bytes,
         budget_bytes=budget_bytes,
         estimate=est,
@@ -145,10 +180,86 @@ def default_budget(device: str | torch.device = "cuda") -> int:
     """
     device = torch.device(device)
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return max(0, free - int(0.10 * total) - 512 * 1024**2)
+        return _cuda_budget(*torch.cuda.mem_get_info(device))
     available = _mem_available_bytes()
     return max(0, available - max(_GiB, int(0.10 * available)))
+
+
+def _cuda_budget(free: int, total: int) -> int:
+    return max(0, free - int(0.10 * total) - 512 * 1024**2)
+
+
+# The CUDA context of a card we cannot ask (`--gpu NAME`): ~0.3-0.6 GiB with lazy module loading (CUDA >= 11.7).
+CUDA_CONTEXT_BYTES = 512 * 1024**2
+
+
+@dataclass(frozen=True)
+class Target:
+    """The device a plan is for, its budget per process, and how both were chosen (shown with the plan)."""
+
+    device: str  # "cuda" or "cpu"
+    budget_bytes: int
+    why: str
+
+
+def planning_target(
+    *, device_memory: str | None, gpu: str | None, device: str | None, recipe_budget: str = "auto"
+) -> Target:
+    """Where `llmtune estimate` plans for: a size (`--device-memory`), a known card (`--gpu`), the recipe's
+    `memory.budget`, or else this machine's own device as `train` would use it (a GPU if there is one, else
+    the CPU's free RAM). `device` ("cuda"/"cpu", `--device`) names the kind of device when it is not this
+    machine's."""
+    from llmtune.catalogue import gpu_memory
+    from llmtune.memory.estimate import parse_bytes
+
+    if device_memory:
+        try:
+            budget = parse_bytes(device_memory)
+        except ValueError as err:
+            raise MemoryPlanError(f"--device-memory: {err}") from None
+        return Target(device or "cuda", budget, f"--device-memory {device_memory}")
+    if gpu:
+        total = gpu_memory(gpu)
+        return Target(
+            "cuda",
+            _cuda_budget(total - CUDA_CONTEXT_BYTES, total),
+            f"--gpu {gpu}: {format_bytes(total)} less the CUDA context, 10% and 512 MiB for workspaces",
+        )
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    if recipe_budget != "auto":
+        return Target(device or here, parse_bytes(recipe_budget), f"memory.budget {recipe_budget}")
+    if device == "cuda" and here != "cuda":
+        raise MemoryPlanError(
+            "--device cuda: no GPU here to read free memory from; name the card (--gpu h100-80gb) or its memory"
+            " (--device-memory 80GiB)"
+        )
+    if here == "cuda":
+        return Target("cuda", default_budget("cuda"), "this machine's GPU: free memory less 10% and 512 MiB")
+    return Target(
+        "cpu",
+        default_budget("cpu"),
+        "this machine's CPU (no GPU here; plan for one with --gpu NAME or --device-memory 24GiB):"
+        " available RAM less max(1 GiB, 10%)",
+    )
+
+
+def recipe_for_model(name: str, *, method: str, seq_len: int, device: str, global_batch_size: int = 32) -> Recipe:
+    """The recipe `llmtune estimate --model NAME` plans when no recipe is given: common fine-tuning defaults.
+
+    Checkpointing on, the micro-batch planned for a global batch of 32; LoRA / QLoRA as in
+    recipes/llama3-8b-lora.yaml (rank 16 on every linear layer, base weights in bf16 on a GPU, since mixed
+    precision would keep an fp32 copy of weights that never change); a full fine-tune in mixed precision.
+    """
+    from llmtune.recipe import DataConfig, ModelConfig, PeftConfig, TrainingConfig
+
+    adapters = method in ("lora", "qlora")
+    precision = "bf16-true" if adapters and device == "cuda" else "auto"
+    return Recipe(
+        model=ModelConfig(name_or_path=name),
+        data=DataConfig(max_length=seq_len),
+        training=TrainingConfig(precision=precision, global_batch_size=global_batch_size, micro_batch_size="auto"),
+        peft=PeftConfig(method="none" if method == "full" else method, rank=16, alpha=32.0),
+    )
 
 
 # ---------------------------------------------------------------- from a recipe
@@ -206,7 +317,7 @@ def plan_for_budget(recipe: Recipe, config: Any, settings: dict[str, Any], *, bu
     )
 
 
-def format_plan(plan: MemoryPlan, title: str) -> str:
+def format_plan(plan: BatchPlan, title: str) -> str:
     """A readable table: the breakdown at the predicted peak, then the choice."""
     e = plan.estimate
     width = max(len(k) for k in e.breakdown) + 2
@@ -223,6 +334,10 @@ def format_plan(plan: MemoryPlan, title: str) -> str:
         f" {s['attn_implementation']} attention, {s['optimizer']}, {s['loss']} loss"
         + (f", LoRA r={s['lora']['rank']}" if s.get("lora") else ""),
         f"predicted peak {format_bytes(plan.predicted_peak_bytes)} of a {format_bytes(plan.budget_bytes)} budget"
-        " (tensors only: the CUDA context, cuBLAS/NCCL workspaces and fragmentation are outside it)",
+        + (
+            " (tensors only: the CUDA context, cuBLAS/NCCL workspaces and fragmentation are outside it)"
+            if s["device"] == "cuda"
+            else " (live tensors only: Python objects and the data pipeline are outside it)"
+        ),
     ]
     return "\n".join(lines)

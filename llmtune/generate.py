@@ -1,0 +1,148 @@
+"""Talk to a trained run: load its `final/` (a full model, or an adapter on its base, unmerged) and generate.
+
+The prompt is given to the model the way the run trained on it: a run trained on `messages` is prompted with
+the tokenizer's chat template; a run trained on `prompt_completion` or `text` rows with the plain prompt ids
+that `data.render_prompt` gives at training time (a chat template would be a format the model never saw). A
+folder without a recipe beside it uses the chat template when the tokenizer has one.
+`scripts/eval_accuracy.py` scores answers with `answer`, so `llmtune generate` answers exactly as it is scored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from llmtune.data import render_prompt
+from llmtune.merge import ADAPTER_CONFIG, WEIGHT_FILES
+
+
+class GenerateError(ValueError):
+    """The folder given is not a trained run (or final/) that can be loaded; the message says why."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Greedy by default (temperature 0): the same prompt always gives the same answer."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise GenerateError(f"--temperature {self.temperature}: must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise GenerateError(f"--top-p {self.top_p}: must be in (0, 1]")
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        if self.temperature <= 0:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p}
+
+
+@dataclass
+class LoadedRun:
+    model: Any  # a transformers model, or a peft model (adapter on its base, unmerged)
+    tokenizer: Any
+    chat: bool  # prompt with the chat template (else plain prompt ids)
+    folder: Path
+
+
+def load_run(run: str | Path, *, chat: bool | None = None) -> LoadedRun:
+    """The model and tokenizer of a run's output_dir (its `final/`) or of a `final/` folder itself.
+
+    `chat`: force the prompt format; None takes the one the run trained on (see the module's docstring).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = final_folder(Path(run))
+    if (folder / ADAPTER_CONFIG).is_file():
+        from llmtune.merge import MergeError, load_adapter_model  # torch-heavy: only for adapters
+
+        try:
+            model, tokenizer = load_adapter_model(folder)
+        except MergeError as err:
+            raise GenerateError(str(err)) from None
+    elif not any((folder / w).is_file() for w in WEIGHT_FILES):
+        raise GenerateError(f"{folder}: a config without weights ({WEIGHT_FILES[0]}); is it a trained run's final/?")
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto")
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError) as err:
+            raise GenerateError(f"{folder}: cannot load the model: {str(err).strip().splitlines()[0]}") from None
+    model.eval()
+    # Training saves use_cache=False (a cache is useless there); generation wants it back.
+    model.config.use_cache = True
+    if chat is None:
+        chat = _trained_on_chats(folder)
+        chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise GenerateError(f"{folder}: the tokenizer has no chat template; prompt it with plain text instead")
+    return LoadedRun(model, tokenizer, chat, folder)
+
+
+def final_folder(path: Path) -> Path:
+    """`path/final` for a run's output_dir, or `path` when it is a saved model or adapter itself."""
+    if not path.is_dir():
+        raise GenerateError(f"{path}: no such directory (pass a run's output_dir or its final/)")
+    for folder in (path / "final", path):
+        if (folder / ADAPTER_CONFIG).is_file() or (folder / "config.json").is_file():
+            return folder
+    if (path / "recipe.yaml").is_file():
+        raise GenerateError(f"{path}: the run has no final/ (it did not finish)")
+    raise GenerateError(f"{path}: not a run's output_dir nor a saved model (no final/, config.json or adapter)")
+
+
+def _trained_on_chats(folder: Path) -> bool | None:
+    """True/False when the run's recipe.yaml (beside final/) says its data were chats or not; None without it."""
+    path = folder.parent / "recipe.yaml"
+    if not path.is_file():
+        return None
+    try:
+        sources = (yaml.safe_load(path.read_text()) or {}).get("data", {}).get("train", [])
+        return all(src.get("format") == "messages" for src in sources) if sources else None
+    except (yaml.YAMLError, AttributeError):
+        return None
+
+
+def prompt_ids(run: LoadedRun, messages: list[dict[str, str]]) -> list[int]:
+    """The ids the model is given: the chat rendered for a reply, or (plain) the last user message alone."""
+    if run.chat:
+        out = run.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return list(out["input_ids"])
+    return render_prompt(messages[-1]["content"], run.tokenizer)
+
+
+def answer(model: Any, tokenizer: Any, ids: list[int], sampling: Sampling, streamer: Any = None) -> str:
+    """Generate after `ids` and return the new text (special tokens dropped, surrounding spaces kept)."""
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
+    device = next(model.parameters()).device
+    inputs = torch.tensor([ids], device=device)
+    with torch.no_grad():
+        out = model.generate(
+            inputs,
+            attention_mask=torch.ones_like(inputs),
+            max_new_tokens=sampling.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            streamer=streamer,
+            **sampling.generate_kwargs(),
+        )
+    return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+
+def reply(run: LoadedRun, messages: list[dict[str, str]], sampling: Sampling, streamer: Any = None) -> str:
+    return answer(run.model, run.tokenizer, prompt_ids(run, messages), sampling, streamer)
+
+
+def describe(run: LoadedRun) -> str:
+    kind = "adapter on its base (unmerged)" if (run.folder / ADAPTER_CONFIG).is_file() else "model"
+    fmt = "the tokenizer's chat template" if run.chat else "plain prompts, as the run trained"
+    return f"{run.folder}: {kind}; prompting with {fmt}"
