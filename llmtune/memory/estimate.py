@@ -46,7 +46,7 @@ from llmtune.memory.measure import LiveStorageCounter
 from llmtune.model import enable_gradient_checkpointing
 
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
-OPTIMIZERS = ("adamw", "adamw_fused", "adamw_foreach", "adamw_8bit", "sgd")
+OPTIMIZERS = ("adamw", "adamw_fused", "adamw_foreach", "adamw_bf16", "adamw_8bit", "sgd")
 LOSSES = ("hf", "chunked")
 SHARDINGS = ("none", "fsdp", "zero2", "zero3")
 DEVICES = ("cuda", "cpu")
@@ -188,6 +188,10 @@ def _build_optimizer(params: list[torch.nn.Parameter], optimizer: str, device: s
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
     if optimizer == "adamw_foreach":
         return torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    if optimizer == "adamw_bf16":  # llmtune's optimizer for bf16 weights: bf16 states, chunked fp32 temporaries
+        from llmtune.optim import BF16AdamW
+
+        return BF16AdamW(params, lr=1e-3)
     if optimizer == "adamw_8bit":
         # bitsandbytes updates one tensor at a time, like the for-loop implementation.
         return torch.optim.AdamW(params, lr=1e-3, foreach=False)
