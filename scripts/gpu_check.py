@@ -72,7 +72,6 @@ TARGETS = {
     "tokens_per_s_ratio_identical": 1.0,
     "mfu_bf16_1b": 0.40,
 }
-log = logging.getLogger("gpu_check")
 
 
 class SectionTimeout(Exception):
@@ -95,10 +94,10 @@ class Size:
 FULL = Size(
     max_length=1024, micro=4, planner_global=16, vocab=32000,
     boxes={"env": 30, "fp16": 40, "bf16_true": 40, "resume": 50, "memory": 170, "planner": 75, "throughput": 90,
-           "fsdp2": 80, "deepspeed_zero3": 80, "gpu_tests": 60},
+           "fsdp2": 70, "deepspeed_zero3": 70, "gpu_tests": 60},
 )  # fmt: skip
 TINY = Size(
-    max_length=64, micro=2, planner_global=4, vocab=512,
+    max_length=64, micro=2, planner_global=2, vocab=512,
     boxes={"env": 20, "fp16": 20, "bf16_true": 20, "resume": 30, "memory": 20, "planner": 30, "throughput": 40,
            "fsdp2": 20, "deepspeed_zero3": 20, "gpu_tests": 20},
 )  # fmt: skip
@@ -394,10 +393,12 @@ def memory_cases(ctx: Ctx) -> list[dict]:
             [False, True], [True, False], attns, [m for m in ctx.models if m != SMOKE], precisions, [True, False]
         )
     ]
-    # Most informative first (the time box cuts the tail): no LoRA, packed, sdpa, every model and precision.
-    # At toy size four spread cases (stride 7 over the 2^5 product: every factor takes both values), so CI
-    # stays short.
-    return cases[::7][:4] if ctx.tiny else cases
+    if ctx.tiny:  # four spread cases (stride 7 over the 2^5 product: every factor takes both values)
+        return cases[::7][:4]
+    # The time box cuts the tail: first every model and precision (no LoRA, packed rows), then the rest of
+    # the 1B shape's matrix, then the others'.
+    first = cases[0]["model"]
+    return sorted(cases, key=lambda c: 0 if not c["lora"] and c["packed"] else 1 if c["model"] == first else 2)
 
 
 def section_memory(ctx: Ctx, out: dict) -> None:
@@ -405,30 +406,39 @@ def section_memory(ctx: Ctx, out: dict) -> None:
     out["skipped"] = [] if ctx.cuda else ["fp16 (needs CUDA)"]
     if not importlib.util.find_spec("flash_attn"):
         out["skipped"].append("flash_attention_2 (flash_attn is not installed)")
+    out["failed"] = failed = []
     for case in memory_cases(ctx):
         ctx.check_time()
-        release()
-        leftover = torch.cuda.memory_allocated() if ctx.cuda else 0
-        data = ctx.data["short" if case["packed"] else "long"]
-        recipe = ctx.recipe(
-            case["model"], precision=case["precision"], gradient_checkpointing=case["checkpointing"],
-            peft__method="lora" if case["lora"] else "none", model__attn_implementation=case["attn"],
-            data__packing=case["packed"], data__train=[{"path": str(data), "format": "text"}],
-        )  # fmt: skip
-        run = build_run(recipe, ctx.tmp)
-        steps = [examples(run, s) for s in range(2)]
-        peak, reserved, oom = steady_peak(run, steps)
-        width = max(len(e["input_ids"]) for s in steps[1:] for e in s)
-        est = estimate_for(run, micro=ctx.size.micro, seq_len=width)
-        measured = peak - leftover  # on CUDA the allocator counts everything, earlier cases' leftovers too
-        rows.append({
-            **case, "seq_len": width, "estimate_bytes": est.peak_bytes, "estimate_phase": est.peak_phase,
-            "measured_bytes": measured, "reserved_bytes": reserved, "leftover_bytes": leftover, "oom": oom,
-            "error": est.peak_bytes / measured - 1,
-            "error_vs_reserved": est.peak_bytes / (reserved - leftover) - 1 if reserved else None,
-        })  # fmt: skip
-        del run, steps
+        try:
+            rows.append({**case, **memory_case(ctx, case)})
+        except SectionTimeout:
+            raise
+        except Exception:  # one combination's failure (a kernel, a package) is a result, not the end
+            failed.append({**case, "error": traceback.format_exc(limit=4)[-1500:]})
     summarise_memory(out)
+
+
+def memory_case(ctx: Ctx, case: dict) -> dict:
+    release()
+    leftover = torch.cuda.memory_allocated() if ctx.cuda else 0
+    data = ctx.data["short" if case["packed"] else "long"]
+    recipe = ctx.recipe(
+        case["model"], precision=case["precision"], gradient_checkpointing=case["checkpointing"],
+        peft__method="lora" if case["lora"] else "none", model__attn_implementation=case["attn"],
+        data__packing=case["packed"], data__train=[{"path": str(data), "format": "text"}],
+    )  # fmt: skip
+    run = build_run(recipe, ctx.tmp)
+    steps = [examples(run, s) for s in range(2)]
+    peak, reserved, oom = steady_peak(run, steps)
+    width = max(len(e["input_ids"]) for s in steps[1:] for e in s)
+    est = estimate_for(run, micro=ctx.size.micro, seq_len=width)
+    measured = peak - leftover  # on CUDA the allocator counts everything, earlier cases' leftovers too
+    return {
+        "seq_len": width, "estimate_bytes": est.peak_bytes, "estimate_phase": est.peak_phase,
+        "measured_bytes": measured, "reserved_bytes": reserved, "leftover_bytes": leftover, "oom": oom,
+        "error": est.peak_bytes / measured - 1,
+        "error_vs_reserved": est.peak_bytes / (reserved - leftover) - 1 if reserved else None,
+    }  # fmt: skip
 
 
 def summarise_memory(out: dict) -> None:
@@ -452,11 +462,6 @@ def summarise_memory(out: dict) -> None:
 def section_planner(ctx: Ctx, out: dict) -> None:
     """Budgets half-way between the estimates of consecutive micro-batches; the loop plans (micro_batch_size
     auto) and trains under the budget as a hard limit; then the next size up, and accelerate's retry."""
-    from accelerate.utils import find_executable_batch_size
-
-    from llmtune.memory.estimate import format_bytes
-    from llmtune.train import BatchPlan
-
     model = next(m for m in ctx.models if m.startswith("qwen"))  # the smallest real shape
     g = ctx.size.planner_global
     base = ctx.recipe(model, precision="auto", gradient_checkpointing=False, global_batch_size=g, max_steps=3)
@@ -465,46 +470,58 @@ def section_planner(ctx: Ctx, out: dict) -> None:
     est = {m: estimate_for(probe, micro=m, seq_len=ctx.size.max_length).peak_bytes for m in divisors}
     del probe
     out["estimates"] = {str(m): v for m, v in est.items()}
-    out["rows"] = rows = []
+    out["rows"], out["failed"] = rows, failed = [], []
     for planned in divisors[-4:-1]:  # each with a next size up
         ctx.check_time()
-        release()
         nxt = divisors[divisors.index(planned) + 1]
         budget = (est[planned] + est[nxt]) // 2
-        recipe = copy.deepcopy(base)
-        recipe["training"]["micro_batch_size"] = "auto"
-        recipe["memory"] = {"budget": str(budget)}
-        run = build_run(recipe, ctx.tmp)
-        steps = [examples(run, s) for s in range(2)]
-        row = {"budget_bytes": budget, "budget": format_bytes(budget), "expected": planned,
-               "planned": run.plan.micro_batch_size}  # fmt: skip
-        row["peak_bytes"], row["reserved_bytes"], row["oom"] = steady_peak(run, steps, limit=budget)
-        row["fits"] = not row["oom"] and row["peak_bytes"] <= budget
-        run.plan = BatchPlan(nxt, g // nxt, 1, "gpu_check: next size up")
-        row["next"], (row["next_peak_bytes"], _, _) = nxt, steady_peak(run, steps)
-        row["next_fits"] = row["next_peak_bytes"] <= budget
-        trials: list[int] = []
-
-        @find_executable_batch_size(starting_batch_size=g)
-        def attempt(
-            batch_size: int, run: Any = run, steps: list = steps, budget: int = budget, trials: list = trials
-        ) -> int:
-            trials.append(batch_size)
-            ctx.check_time()
-            release()
-            run.plan = BatchPlan(batch_size, -(-g // batch_size), 1, "find_executable_batch_size")
-            if steady_peak(run, steps, limit=budget)[2]:
-                # llmtune's loop recovers from the OOM by itself; a plain loop would have raised it.
-                raise torch.OutOfMemoryError("CUDA out of memory. (caught by llmtune's loop, re-raised)")
-            return batch_size
-
-        row["accelerate_pick"] = attempt()
-        row["accelerate_trials"] = trials
-        row["accelerate_pick_divides_global_batch"] = g % row["accelerate_pick"] == 0
-        rows.append(row)
-        del run, steps
-    out["ok"] = all(r["planned"] == r["expected"] and r["fits"] and not r["next_fits"] for r in rows)
+        try:
+            rows.append(planner_budget(ctx, base, budget, planned, nxt))
+        except SectionTimeout:
+            raise
+        except Exception:
+            failed.append({"budget_bytes": budget, "error": traceback.format_exc(limit=4)[-1500:]})
+    out["ok"] = not failed and all(r["planned"] == r["expected"] and r["fits"] and not r["next_fits"] for r in rows)
     out["ooms"] = sum(r["oom"] for r in rows)
+
+
+def planner_budget(ctx: Ctx, base: dict, budget: int, planned: int, nxt: int) -> dict:
+    from accelerate.utils import find_executable_batch_size
+
+    from llmtune.memory.estimate import format_bytes
+    from llmtune.train import BatchPlan
+
+    release()
+    g = base["training"]["global_batch_size"]
+    recipe = copy.deepcopy(base)
+    recipe["training"]["micro_batch_size"] = "auto"
+    recipe["memory"] = {"budget": str(budget)}
+    run = build_run(recipe, ctx.tmp)
+    steps = [examples(run, s) for s in range(2)]
+    row = {"budget_bytes": budget, "budget": format_bytes(budget), "expected": planned,
+           "planned": run.plan.micro_batch_size}  # fmt: skip
+    row["peak_bytes"], row["reserved_bytes"], row["oom"] = steady_peak(run, steps, limit=budget)
+    row["fits"] = not row["oom"] and row["peak_bytes"] <= budget
+    run.plan = BatchPlan(nxt, g // nxt, 1, "gpu_check: next size up")
+    row["next"], (row["next_peak_bytes"], _, _) = nxt, steady_peak(run, steps)
+    row["next_fits"] = row["next_peak_bytes"] <= budget
+    trials: list[int] = []
+
+    @find_executable_batch_size(starting_batch_size=g)
+    def attempt(batch_size: int) -> int:
+        trials.append(batch_size)
+        ctx.check_time()
+        release()
+        run.plan = BatchPlan(batch_size, -(-g // batch_size), 1, "find_executable_batch_size")
+        if steady_peak(run, steps, limit=budget)[2]:
+            # llmtune's loop recovers from the OOM by itself; a plain loop would have raised it.
+            raise torch.OutOfMemoryError("CUDA out of memory. (caught by llmtune's loop, re-raised)")
+        return batch_size
+
+    row["accelerate_pick"] = attempt()
+    row["accelerate_trials"] = trials
+    row["accelerate_pick_divides_global_batch"] = g % row["accelerate_pick"] == 0
+    return row
 
 
 def section_throughput(ctx: Ctx, out: dict) -> None:
@@ -573,12 +590,15 @@ def launch_smoke(ctx: Ctx, out: dict, config_file: str) -> None:
         launch = next((line.split(None, 1)[1] for line in text.splitlines() if line.strip().startswith("launch ")), "")
         out["runs"].append({"max_steps": max_steps, "returncode": proc.returncode, "launch": launch.strip(),
                             "resumed": "resumed from" in text, "tail": text[-1500:]})  # fmt: skip
+        if proc.returncode:
+            break  # nothing to resume from
     from transformers import AutoModelForCausalLM
 
     final = Path(recipe["output_dir"]) / "final"
     loaded = AutoModelForCausalLM.from_pretrained(final) if final.exists() else None
     out["final_loads"] = loaded is not None
-    out["ok"] = all(r["returncode"] == 0 for r in out["runs"]) and out["runs"][1]["resumed"] and out["final_loads"]
+    out["ok"] = len(out["runs"]) == 2 and all(r["returncode"] == 0 for r in out["runs"])
+    out["ok"] = out["ok"] and out["runs"][1]["resumed"] and out["final_loads"]
 
 
 def section_fsdp2(ctx: Ctx, out: dict) -> None:
@@ -689,6 +709,11 @@ def markdown(results: dict) -> str:
 def headline(name: str, sec: dict) -> str:
     if sec["status"] == "skipped":
         return sec["reason"]
+    if name == "memory" and "summary" in sec:  # also when its time box cut the matrix short
+        m = sec["summary"]
+        return (f"{m['cases']} cases: median |error| {m['median_abs_error']:.2%}, worst {m['worst_abs_error']:.2%},"
+                f" most under {pct(m['most_under'])}; {len(sec['failed'])} failed; skipped:"
+                f" {', '.join(sec['skipped']) or 'none'}")  # fmt: skip
     if sec["status"] != "done":
         return (sec.get("error") or sec["status"]).strip().splitlines()[-1]
     if name == "env":
@@ -696,12 +721,8 @@ def headline(name: str, sec: dict) -> str:
         return f"{sec['device']}, torch {sec['versions']['torch']}; MFU peak {peak['flops'] / 1e12:.1f} TFLOP/s" + (
             f" ({peak['source']}); matmul {sec['measured_matmul']['flops'] / 1e12:.1f}"
         )
-    if name == "memory" and "summary" in sec:
-        m = sec["summary"]
-        return (f"{m['cases']} cases: median |error| {m['median_abs_error']:.2%}, worst {m['worst_abs_error']:.2%},"
-                f" most under {pct(m['most_under'])}; skipped: {', '.join(sec['skipped']) or 'none'}")  # fmt: skip
     if name == "planner":
-        return f"{len(sec['rows'])} budgets, {sec['ooms']} OOMs"
+        return f"{len(sec['rows'])} budgets, {sec['ooms']} OOMs, {len(sec['failed'])} failed"
     if name == "throughput":
         ratios = ", ".join(f"{m} {p['tokens_per_s_ratio']:.2f}x" for m, p in sec["modes"].items())
         return f"tokens/s llmtune/HF: {ratios}; best MFU {sec['best_mfu']:.1%}"
@@ -727,14 +748,19 @@ def headline(name: str, sec: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="toy sizes (CPU, CI): every section, in seconds")
-    p.add_argument("--out", type=Path, default=RESULTS, help="folder for gpu-<date>.json and .md")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="folder for gpu-<date>.json and .md (default: benchmarks/results, or"
+        " runs/gpu-check with --tiny: toy results are not for committing)",
+    )
     p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     p.add_argument("--budget-s", type=float, default=None, help="stop starting sections after this many seconds")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     size = TINY if a.tiny else FULL
-    budget_s = a.budget_s or (90 if a.tiny else 450)
+    budget_s = a.budget_s or (90 if a.tiny else 430)  # the device lends 10 minutes a command
     device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
     started = time.perf_counter()
     date = datetime.now(timezone.utc)
@@ -744,6 +770,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python scripts/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "tiny": a.tiny, "targets": TARGETS, "sections": {}, "seconds": 0.0,
     }  # fmt: skip
+    a.out = a.out or (ROOT / "runs" / "gpu-check" if a.tiny else RESULTS)
     a.out.mkdir(parents=True, exist_ok=True)
 
     def write() -> None:

@@ -36,7 +36,7 @@ def test_gpu_check_tiny_runs_every_section_and_writes_its_results(tmp_path):
     assert "fp16 (needs CUDA)" in memory["skipped"]
     planner = sections["planner"]
     assert planner["ooms"] == 0 and planner["ok"], planner["rows"]
-    assert all(r["accelerate_trials"][0] == 4 for r in planner["rows"])  # it starts at the global batch
+    assert all(r["accelerate_trials"][0] == 2 for r in planner["rows"])  # it starts at the global batch
     assert set(sections["throughput"]["modes"]) == {"identical", "defaults"}
     report = path.with_suffix(".md").read_text()
     assert "## Memory" in report and "## Planner" in report and "## Throughput" in report
