@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from llmtune.recipe import Recipe
+
 # Elements updated at a time: the fp32 temporaries of one chunk (~6 x 16 MiB) instead of a whole
 # embedding matrix's (~6 GiB for Llama-3's 128k x 2048).
 CHUNK = 2**22
@@ -89,7 +91,7 @@ class BF16AdamW(torch.optim.Optimizer):
         return loss
 
 
-def make_optimizer(model: torch.nn.Module, recipe: Any, device: torch.device) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, recipe: Recipe, device: torch.device) -> torch.optim.Optimizer:
     t = recipe.training
     decay, no_decay = [], []
     for p in model.parameters():

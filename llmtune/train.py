@@ -439,18 +439,17 @@ class StepResult(NamedTuple):
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> bool:
-    """Step; True when an fp16 loss scaler found inf/nan gradients and skipped the update.
+    """Step; True when the update was skipped for inf/nan gradients (fp16 loss scaling).
 
     Accelerate's `optimizer_step_was_skipped` misses this for fused optimizers: GradScaler hands them the
     inf flag and the fused kernel skips internally, so the step still counts as taken. The scaler lowers
-    its scale exactly when it found inf/nan (it only ever grows otherwise), so the scale tells.
+    its scale exactly when it found inf/nan (it only ever grows otherwise), so the scale tells. Under
+    DeepSpeed the engine scales the loss itself (no scaler here) and Accelerate's flag reports its skips.
     """
-    if scaler is None or not scaler.is_enabled():
-        optimizer.step()
-        return False
-    before = scaler.get_scale()
+    before = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
     optimizer.step()
-    return scaler.get_scale() < before
+    dropped = before is not None and scaler.get_scale() < before
+    return dropped or bool(getattr(optimizer, "step_was_skipped", False))
 
 
 def train_step(run: Run, examples: list[dict]) -> StepResult | None:
