@@ -44,6 +44,7 @@ import os
 import platform
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -93,7 +94,7 @@ class Size:
 
 FULL = Size(
     max_length=1024, micro=4, planner_global=16, vocab=32000,
-    boxes={"env": 30, "fp16": 40, "bf16_true": 40, "resume": 50, "memory": 170, "planner": 75, "throughput": 90,
+    boxes={"env": 30, "fp16": 40, "bf16_true": 40, "resume": 50, "memory": 300, "planner": 75, "throughput": 90,
            "fsdp2": 70, "deepspeed_zero3": 70, "gpu_tests": 60},
 )  # fmt: skip
 TINY = Size(
@@ -226,6 +227,20 @@ def build_run(recipe: dict, tmp: Path):
     path = tmp / f"recipe-{time.monotonic_ns()}.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return build(load_recipe(path))
+
+
+def run_group(cmd: list[str], timeout: float, **kwargs: Any) -> subprocess.CompletedProcess:
+    """subprocess.run in a session of its own, killed whole on timeout: `accelerate launch` starts torchrun,
+    which starts the workers, and a worker left behind would hold the GPU for the sections after it."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def release() -> None:
@@ -585,7 +600,7 @@ def launch_smoke(ctx: Ctx, out: dict, config_file: str) -> None:
     for max_steps, resume in ((2, "none"), (4, "auto")):
         recipe["training"]["max_steps"], recipe["checkpoint"]["resume"] = max_steps, resume
         path.write_text(yaml.safe_dump(recipe))
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=ctx.seconds_left())
+        proc = run_group(cmd, ctx.seconds_left(), env=env)
         text = proc.stdout + proc.stderr
         launch = next((line.split(None, 1)[1] for line in text.splitlines() if line.strip().startswith("launch ")), "")
         out["runs"].append({"max_steps": max_steps, "returncode": proc.returncode, "launch": launch.strip(),
@@ -614,7 +629,7 @@ def section_deepspeed_zero3(ctx: Ctx, out: dict) -> None:
 def section_gpu_tests(ctx: Ctx, out: dict) -> None:
     report = ctx.tmp / "gpu-tests.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", str(ROOT / "tests"), f"--junitxml={report}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=ctx.seconds_left())
+    proc = run_group(cmd, ctx.seconds_left(), cwd=ROOT)
     out.update(returncode=proc.returncode, tail=(proc.stdout + proc.stderr)[-3000:])
     out["ok"] = proc.returncode == 0
 
@@ -780,7 +795,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         ctx = Ctx(tiny=a.tiny, size=size, device=device, tmp=Path(tmp))
-        prepare(ctx)
+        try:
+            prepare(ctx)
+        except Exception:  # nothing can run without the tokenizer and data; say why in the results
+            results["prepare_error"] = traceback.format_exc(limit=8)[-3000:]
+            write()
+            raise
         for name in a.sections:
             fn, why_skipped = SECTIONS[name]
             sec: dict[str, Any] = {}
