@@ -51,7 +51,7 @@ docs: install
 # made here by `make gpu-wheels`. For the lent H200 (Python 3.12; torch, transformers, accelerate, peft
 # present): datasets and its needs, pyarrow (datasets 5.2 needs >= 24; installed there only if the image's
 # is older), and DeepSpeed with its needs. DeepSpeed publishes source only: a wheel is built from it with
-# this venv's torch (pure Python; its ops compile on first use). ~61 MB in all.
+# this venv's torch (pure Python; its ops compile on first use). 58 MiB in all.
 GPU_PY    ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_SITE  := /tmp/llmtune-site
 WHEELS    := datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyarrow==26.0.1 hjson==3.1.0 pydantic==2.14.4 \
