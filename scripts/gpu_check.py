@@ -98,9 +98,8 @@ FULL = Size(
            "fsdp2": 70, "deepspeed_zero3": 70, "gpu_tests": 60},
 )  # fmt: skip
 TINY = Size(
-    max_length=64, micro=2, planner_global=2, vocab=512,
-    boxes={"env": 20, "fp16": 20, "bf16_true": 20, "resume": 30, "memory": 20, "planner": 30, "throughput": 40,
-           "fsdp2": 20, "deepspeed_zero3": 20, "gpu_tests": 20},
+    # Boxes only bound a stuck CI run: a loaded 2-core machine ran this in 45-120 s.
+    max_length=64, micro=2, planner_global=2, vocab=512, boxes=dict.fromkeys(FULL.boxes, 120.0),
 )  # fmt: skip
 
 
@@ -775,7 +774,7 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     size = TINY if a.tiny else FULL
-    budget_s = a.budget_s or (90 if a.tiny else 430)  # the device lends 10 minutes a command
+    budget_s = a.budget_s or (900 if a.tiny else 430)  # the device lends 10 minutes a command
     device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
     started = time.perf_counter()
     date = datetime.now(timezone.utc)
