@@ -4,7 +4,7 @@ VENV_OK := .venv/.installed
 # The CPU build of torch, so a machine without a GPU does not download a multi-GB CUDA build.
 CPU_TORCH := torch==2.13.0
 
-.PHONY: install train test test-fast lint format docs clean
+.PHONY: install train test test-fast lint format docs clean gpu-wheels gpu-check
 
 install: $(VENV_OK)
 
@@ -46,3 +46,36 @@ docs: install
 	$(PY) -c "import re, pathlib; from llmtune.recipe import reference; p = pathlib.Path('docs/recipes.md'); \
 	t = p.read_text(); p.write_text(t[: t.index('| key |')] + reference())"
 	.venv/bin/llmtune schema > docs/recipe.schema.json
+
+# ---------------------------------------------------------------- the GPU check (scripts/gpu_check.py)
+# A GPU machine may reach no package registry: what its image lacks travels as wheels in .whl/ (git-ignored),
+# made here by `make gpu-wheels`. For the lent H200 (Python 3.12; torch, transformers, accelerate, peft
+# present): datasets and its needs, pyarrow (datasets 5.2 needs >= 24; installed there only if the image's
+# is older), and DeepSpeed with its needs. DeepSpeed publishes source only: a wheel is built from it with
+# this venv's torch (pure Python; its ops compile on first use). 58 MiB in all.
+GPU_PY    ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_SITE  := /tmp/llmtune-site
+WHEELS    := datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyarrow==26.0.1 hjson==3.1.0 pydantic==2.14.4 \
+             pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+             --platform manylinux2014_x86_64 --platform manylinux1_x86_64
+PIP_TARGET = $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE)
+
+gpu-wheels: install
+	rm -rf .whl && mkdir .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $(PLATFORMS) \
+	  -d .whl $(WHEELS)
+	DS_BUILD_OPS=0 $(PY) -m pip wheel -q --no-deps --no-build-isolation -w .whl deepspeed==0.19.8
+	du -cb .whl/*.whl | tail -1 | awk '{ printf "%.1f MiB of wheels (the device carries 64 MiB with the tree)\n", $$1 / 2^20; \
+	  if ($$1 > 60 * 2^20) exit 1 }'
+
+# One command, whatever the machine: on a GPU the full check (< 8 min on one H200), else every section at toy
+# size. Results: benchmarks/results/gpu-<date>.json and .md; commit them with the date and this command.
+gpu-check:
+	if ls .whl/*.whl >/dev/null 2>&1; then \
+	  { $(PIP_TARGET) $$(ls .whl/*.whl | grep -v /pyarrow-) && \
+	    { PYTHONPATH=$(GPU_SITE) $(GPU_PY) -c "import datasets" 2>/dev/null || $(PIP_TARGET) .whl/pyarrow-*.whl; }; } \
+	  || echo "gpu-check: the wheels in .whl/ (for Python 3.12 on x86-64) do not install here; using this environment"; \
+	fi
+	PYTHONPATH=$(CURDIR):$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PY) scripts/gpu_check.py \
+	  $$($(GPU_PY) -c "import torch; print('' if torch.cuda.is_available() else '--tiny')") $(ARGS)

@@ -856,6 +856,20 @@ def collate(
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
 
 
+def squared_lengths(rows: list[dict]) -> int:
+    """Sum of l^2 over the examples in `rows`: a packed row's examples (position_ids restart at 0) count
+    apart, since attention is block-diagonal there (MFU counts attention per example)."""
+    total = 0
+    for row in rows:
+        positions = row.get("position_ids")
+        if positions is None:
+            total += len(row["input_ids"]) ** 2
+            continue
+        starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+        total += sum((b - a) ** 2 for a, b in zip(starts, starts[1:], strict=False))
+    return total
+
+
 # ---------------------------------------------------------------- reports
 
 

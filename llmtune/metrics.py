@@ -1,23 +1,32 @@
 """What a run reports: metrics.jsonl, Accelerate trackers, the progress bar, MFU.
 
 MFU = model FLOPs per second / the device's peak. Model FLOPs follow the PaLM appendix — 6 x parameters
-for the forward and backward matmuls, plus 12 x layers x hidden x sequence for attention scores — split
-by what each token needs:
+for the forward and backward matmuls, plus 12 x layers x hidden x length^2 for the attention scores of a
+sequence — split by what each token needs:
 - every processed token (real tokens, prompts included, padding not) runs the decoder: 6 x its
-  parameters (4 x for frozen ones under LoRA, which need no weight gradient) + attention;
+  parameters (4 x for frozen ones under LoRA, which need no weight gradient);
+- attention is counted per example, not per row: a packed row of examples of lengths l_i attends
+  block-diagonally and costs sum(l_i^2), not (sum l_i)^2 nor max_length^2;
 - only trained tokens (those with a label) need the output projection: 6 x vocab x hidden (4 x when
   frozen). The chunked loss computes no logits for the others; HF's loss does, and that work is waste,
   not model FLOPs. The input embedding is a lookup and counts nothing; a tied head counts as a head.
 Recomputation under gradient checkpointing does not count (it costs time and lowers MFU, which is the
-point of measuring it). The peak is measured, not looked up: large matmuls in the training dtype.
+point of measuring it).
+
+The peak: the datasheet's dense 16-bit tensor-core figure for GPUs we know by name (`DATASHEET_PEAKS`);
+a measured matmul peak only for other devices, CPUs and fp32. A single measured matmul overstates MFU on
+fast GPUs: a 2048^3 bf16 matmul is a ~25 us kernel in a ~50 us timing window, far from the card's peak.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
+import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,18 +59,80 @@ def check_trackers(names: list[str]) -> None:
             raise TrackerError(f"logging.report_to names {name!r}, which is not installed: pip install {name}")
 
 
-def flops_per_token(model: torch.nn.Module, seq_len: int) -> tuple[float, float]:
-    """(model FLOPs per processed token, extra FLOPs per trained token), forward + backward; see the
-    module docstring. `model` is a transformers causal LM or a peft model around one."""
+@dataclass(frozen=True)
+class ModelFlops:
+    """Model FLOPs of a training step (forward + backward), split as the module docstring says."""
+
+    per_token: float  # every processed token: the decoder's matmuls
+    per_trained_token: float  # tokens with a label: the output projection
+    attention: float  # an example of l tokens: this x l^2
+
+    def step(self, processed_tokens: int, trained_tokens: int, squared_lengths: int) -> float:
+        """FLOPs of a step; `squared_lengths` is the sum of l^2 over its examples (packed ones apart)."""
+        return (
+            processed_tokens * self.per_token
+            + trained_tokens * self.per_trained_token
+            + squared_lengths * self.attention
+        )
+
+
+def model_flops(model: torch.nn.Module) -> ModelFlops:
+    """`model` is a transformers causal LM or a peft model around one."""
     config = model.config.get_text_config()
     embedding = {id(p) for p in model.get_input_embeddings().parameters()}
     head = list(model.get_output_embeddings().parameters())
     head_ids = {id(p) for p in head}
     body = [p for p in model.parameters() if id(p) not in embedding | head_ids]  # tied weights come once
     decoder = sum((6 if p.requires_grad else 4) * p.numel() for p in body)
-    attention = 12 * config.num_hidden_layers * config.hidden_size * seq_len
     head_flops = (6 if any(p.requires_grad for p in head) else 4) * config.vocab_size * config.hidden_size
-    return float(decoder + attention), float(head_flops)
+    attention = 12 * config.num_hidden_layers * config.hidden_size
+    return ModelFlops(float(decoder), float(head_flops), float(attention))
+
+
+# Dense (no 2:4 sparsity) bf16/fp16 tensor-core peaks from NVIDIA's datasheets and architecture whitepapers,
+# in TFLOP/s, matched in order on the lower-cased `torch.cuda.get_device_name()`. GeForce/RTX cards: FP32
+# accumulate (what PyTorch uses), half the FP16-accumulate figure. Cards without a published figure
+# (e.g. AWS's A10G) are measured instead.
+DATASHEET_PEAKS: list[tuple[str, float]] = [
+    (r"h200 nvl", 835.5),
+    (r"h200", 989.5),  # SXM; same tensor cores as the H100 SXM
+    (r"h100 nvl", 835.5),
+    (r"h100 pcie", 756.5),
+    (r"h100", 989.5),  # SXM ("NVIDIA H100 80GB HBM3")
+    (r"h800", 989.5),
+    (r"a100", 312.0),  # SXM and PCIe, 40 and 80 GB
+    (r"a800", 312.0),
+    (r"l40s", 362.05),
+    (r"l40\b", 181.05),
+    (r"\bl4\b", 121.0),
+    (r"\ba10\b", 125.0),
+    (r"rtx 4090", 165.2),
+    (r"rtx 3090", 71.0),
+    (r"rtx a6000", 154.8),
+    (r"v100.*sxm", 125.0),  # fp16 only (no bf16)
+    (r"v100", 112.0),
+    (r"\bt4\b", 65.0),  # fp16 only
+]
+
+
+def datasheet_peak_flops(device_name: str) -> float | None:
+    """Dense 16-bit tensor-core FLOP/s of a GPU known by name, or None."""
+    name = device_name.lower()
+    for pattern, tflops in DATASHEET_PEAKS:
+        if re.search(pattern, name):
+            return tflops * 1e12
+    return None
+
+
+@functools.cache  # measured once per process and device: every run of a process (bench, tests) shares it
+def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
+    """The MFU denominator for this device and precision, and where it comes from."""
+    if device.type == "cuda" and precision in ("bf16", "bf16-true", "fp16"):
+        name = torch.cuda.get_device_name(device)
+        known = datasheet_peak_flops(name)
+        if known is not None:
+            return known, f"datasheet: {name}, dense {precision}"
+    return measure_peak_flops(device, precision), f"measured: matmul in {precision} on {device.type}"
 
 
 MAX_MATMUL_S = 0.25

@@ -90,7 +90,8 @@ class DataConfig:
 class TrainingConfig:
     precision: Precision = doc(
         "bf16 / fp16: mixed precision (fp32 master weights, autocast; fp16 adds dynamic loss scaling);"
-        " bf16-true: weights in bf16, no autocast; fp32; auto: bf16 where supported, else fp16 on CUDA,"
+        " bf16-true: weights in bf16, no autocast, updates kept by stochastic rounding (llmtune.optim); fp32;"
+        " auto: bf16 where supported, else fp16 on CUDA,"
         " else fp32.",
         "auto",
     )

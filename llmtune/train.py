@@ -17,7 +17,7 @@ import signal
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from accelerate import Accelerator
@@ -25,11 +25,11 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, set_seed
 
 from llmtune import checkpoint
-from llmtune.data import PreparedData, batch_for_step, collate, eval_batches, prepare_data
+from llmtune.data import PreparedData, batch_for_step, collate, eval_batches, prepare_data, squared_lengths
 from llmtune.loss import CausalLMWithLoss, resolve_loss_impl
 from llmtune.memory.measure import PeakMemoryTracker
 from llmtune.memory.plan import BatchPlan, estimate_settings, plan_for_budget, resolve_budget
-from llmtune.metrics import MetricsLogger, check_trackers, flops_per_token, measure_peak_flops
+from llmtune.metrics import MetricsLogger, ModelFlops, check_trackers, model_flops, peak_flops
 from llmtune.model import (
     SetupError,
     check_requirements,
@@ -39,6 +39,7 @@ from llmtune.model import (
     load_model,
     load_tokenizer,
 )
+from llmtune.optim import make_optimizer
 from llmtune.recipe import Recipe, dump_recipe
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,9 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     plan: BatchPlan
-    flops_per_token: tuple[float, float]  # per processed token, per trained token (metrics.flops_per_token)
-    peak_flops: float
+    flops: ModelFlops
+    peak_flops: float  # the MFU denominator
+    peak_flops_source: str  # datasheet or measured (metrics.peak_flops)
     start_step: int = 0
     counters: dict[str, int] = field(default_factory=lambda: {"trained_tokens": 0, "skipped_steps": 0})
 
@@ -172,7 +174,7 @@ def build(recipe: Recipe) -> Run:
     tokenizer = load_tokenizer(recipe.model)
     data = prepare_data(recipe.data, tokenizer, seed=recipe.seed, main_process_first=accelerator.main_process_first)
     config = load_config(recipe.model)
-    model = load_model(recipe, precision, config)
+    model = load_model(recipe, precision, config, accelerator.device)
     loss_impl = resolve_loss_impl(recipe.training.loss, config)
     plan = make_plan(recipe, config, precision, loss_impl, accelerator)
     wrapped = CausalLMWithLoss(model, loss_impl)
@@ -184,6 +186,7 @@ def build(recipe: Recipe) -> Run:
     if recipe.peft.method != "none":
         checkpoint.save_trainable_only(accelerator)
     trainable, total = count_parameters(model)
+    peak, peak_source = peak_flops(accelerator.device, precision)
     run = Run(
         recipe=recipe,
         accelerator=accelerator,
@@ -195,31 +198,14 @@ def build(recipe: Recipe) -> Run:
         optimizer=optimizer,
         scheduler=scheduler,
         plan=plan,
-        flops_per_token=flops_per_token(model, recipe.data.max_length),
-        peak_flops=measure_peak_flops(accelerator.device, precision),
+        flops=model_flops(model),
+        peak_flops=peak,
+        peak_flops_source=peak_source,
     )
     if resume_from is not None:
         resume(run, resume_from)
     log_setup(run, trainable, total)
     return run
-
-
-def make_optimizer(model: torch.nn.Module, recipe: Recipe, device: torch.device) -> torch.optim.Optimizer:
-    t = recipe.training
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            # Biases and norm gains (1-D) are not decayed: decay would pull them toward 0, not toward small.
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if t.optimizer == "adamw_8bit":
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(groups, lr=t.learning_rate, betas=tuple(t.adam_betas))
-    # Fused AdamW does the whole update in one kernel with no state-sized temporaries; on a CPU torch's
-    # default loops tensor by tensor, ~10x slower (benchmarks/results/measurements.md).
-    fused = device.type in ("cuda", "cpu") and all(p.dtype.is_floating_point for p in decay + no_decay)
-    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=tuple(t.adam_betas), fused=fused or None)
 
 
 def lr_factor(step: int, recipe: Recipe) -> float:
@@ -283,6 +269,7 @@ def log_setup(run: Run, trainable: int, total: int) -> None:
         f"batch          global {r.training.global_batch_size} = micro {p.micro_batch_size} x accumulation "
         f"{p.grad_accum_steps} x processes {p.num_processes} (micro-batch from {p.source})",
         f"memory         {p.describe()}",
+        f"MFU peak       {run.peak_flops / 1e12:.1f} TFLOP/s ({run.peak_flops_source})",
         f"data           {run.data.stats.examples} examples -> {len(run.data.train)} rows, "
         f"{run.data.stats.trained_tokens} trained tokens",
         f"steps          {run.start_step} -> {r.training.max_steps}",
@@ -353,7 +340,7 @@ def fit(run: Run) -> dict[str, Any]:
                 result = train_step(run, examples)
             if result is None:  # out of memory: the plan shrank; redo the same step
                 continue
-            loss, trained_tokens, processed_tokens, grad_norm = result
+            loss = result.loss
             if not math.isfinite(loss):
                 nonfinite += 1
                 run.counters["skipped_steps"] += 1
@@ -366,12 +353,12 @@ def fit(run: Run) -> dict[str, Any]:
                     )
             else:
                 nonfinite = 0
-            if acc.optimizer_step_was_skipped:  # fp16 overflow: the scaler skipped the update
+            if result.overflow:  # fp16: the loss scaler skipped the update
                 run.counters["skipped_steps"] += 1
             lr = run.scheduler.get_last_lr()[0]
             run.scheduler.step()
             step += 1
-            run.counters["trained_tokens"] += trained_tokens
+            run.counters["trained_tokens"] += result.trained_tokens
             peak = tracker.peak_bytes if measured else None
             if step > 1 and peak:
                 steady_peak = max(steady_peak, peak)
@@ -385,11 +372,11 @@ def fit(run: Run) -> dict[str, Any]:
                 step,
                 loss=loss,
                 lr=lr,
-                grad_norm=grad_norm,
-                trained_tokens=trained_tokens,
+                grad_norm=result.grad_norm,
+                trained_tokens=result.trained_tokens,
                 seconds=seconds,
-                tokens_per_s=trained_tokens / seconds,
-                mfu=step_flops(run, processed_tokens, trained_tokens) / seconds / run.peak_flops / acc.num_processes,
+                tokens_per_s=result.trained_tokens / seconds,
+                mfu=result.flops / seconds / run.peak_flops / acc.num_processes,
                 peak_memory_bytes=peak,
                 skipped_steps=run.counters["skipped_steps"],
                 micro_batch_size=run.plan.micro_batch_size,
@@ -414,11 +401,6 @@ def fit(run: Run) -> dict[str, Any]:
     return summary
 
 
-def step_flops(run: Run, processed_tokens: int, trained_tokens: int) -> float:
-    per_processed, per_trained = run.flops_per_token
-    return processed_tokens * per_processed + trained_tokens * per_trained
-
-
 def collate_for(run: Run, examples: list[dict]) -> dict[str, torch.Tensor]:
     # A compiled model recompiles for every new shape: packed rows are then padded to max_length (a fill
     # of ~95% costs little), so every micro-batch has the shape the memory plan assumed.
@@ -431,10 +413,31 @@ def collate_for(run: Run, examples: list[dict]) -> dict[str, torch.Tensor]:
     )
 
 
-def train_step(run: Run, examples: list[dict]) -> tuple[float, int, int, float] | None:
-    """One optimizer step over this process's examples. Returns (loss per trained token, trained and
-    processed tokens on all processes, grad norm), or None when any process ran out of memory (the plan
-    was shrunk)."""
+class StepResult(NamedTuple):
+    loss: float  # per trained token, all processes
+    trained_tokens: int  # all processes
+    flops: float  # model FLOPs, all processes (metrics.ModelFlops)
+    grad_norm: float
+    overflow: bool  # fp16: the loss scaler found inf/nan gradients and skipped the update
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> bool:
+    """Step; True when the update was skipped for inf/nan gradients (fp16 loss scaling).
+
+    Accelerate's `optimizer_step_was_skipped` misses this for fused optimizers: GradScaler hands them the
+    inf flag and the fused kernel skips internally, so the step still counts as taken. The scaler lowers
+    its scale exactly when it found inf/nan (it only ever grows otherwise), so the scale tells. Under
+    DeepSpeed the engine scales the loss itself (no scaler here) and Accelerate's flag reports its skips.
+    """
+    before = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+    optimizer.step()
+    dropped = before is not None and scaler.get_scale() < before
+    return dropped or bool(getattr(optimizer, "step_was_skipped", False))
+
+
+def train_step(run: Run, examples: list[dict]) -> StepResult | None:
+    """One optimizer step over this process's examples, or None when any process ran out of memory (the
+    plan was shrunk)."""
     acc, model, m = run.accelerator, run.model, run.plan.micro_batch_size
     micro_batches = [collate_for(run, examples[i : i + m]) for i in range(0, len(examples), m)]
     # Loss is summed per token and divided by the trained tokens of the whole window on all processes,
@@ -443,7 +446,8 @@ def train_step(run: Run, examples: list[dict]) -> tuple[float, int, int, float] 
     trained = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
     processed = sum(len(e["input_ids"]) for e in examples)  # real tokens, padding excluded (for MFU)
     # As Python ints: no bookkeeping tensor stays alive through the window's forwards and backwards.
-    total, processed = acc.reduce(torch.tensor([trained, processed], device=acc.device), reduction="sum").tolist()
+    counts = [trained, processed, squared_lengths(examples)]
+    total, processed, squares = acc.reduce(torch.tensor(counts, device=acc.device), reduction="sum").tolist()
     scale = acc.num_processes / max(total, 1)
     loss_sum = torch.zeros((), device=acc.device)
     oom = False
@@ -466,13 +470,13 @@ def train_step(run: Run, examples: list[dict]) -> tuple[float, int, int, float] 
         )
         return None
     loss = float(acc.reduce(loss_sum, reduction="sum")) / max(total, 1)
-    grad_norm = float("nan")
+    grad_norm, overflow = float("nan"), False
     if math.isfinite(loss):
         if run.recipe.training.max_grad_norm > 0:
             grad_norm = float(acc.clip_grad_norm_(model.parameters(), run.recipe.training.max_grad_norm))
-        run.optimizer.step()
+        overflow = optimizer_step(run.optimizer, acc.scaler)
     run.optimizer.zero_grad(set_to_none=True)
-    return loss, total, processed, grad_norm
+    return StepResult(loss, total, run.flops.step(processed, total, squares), grad_norm, overflow)
 
 
 @torch.no_grad()

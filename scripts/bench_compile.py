@@ -4,7 +4,7 @@ One Llama-style model per setting (built from a config, random init, the same se
 chunked loss, fused AdamW, one fixed packed batch of `--micro-batch` rows x `--seq-len` tokens (two
 examples per row, every token trained). After `--warmup` steps (the compiled ones compile there), the
 settings take turns step by step, the order reversed every round, so a machine that gets busier moves all
-alike. Reports the median step time, tokens/s, MFU (`metrics.flops_per_token` against the best bf16
+alike. Reports the median step time, tokens/s, MFU (`metrics.model_flops` against the best bf16
 matmul peak measured in the run) and each setting's speed relative to eager at the same checkpointing.
 
     .venv/bin/python scripts/bench_compile.py                 # h=512, 4 layers, vocab 32000: ~3 min
@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmtune.loss import CausalLMWithLoss  # noqa: E402
-from llmtune.metrics import flops_per_token, measure_peak_flops  # noqa: E402
+from llmtune.metrics import measure_peak_flops, model_flops  # noqa: E402
 from llmtune.model import compile_blocks, enable_gradient_checkpointing  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "compile_cpu.json"
@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
         warm[name(compiled, ckpt)] = time.perf_counter() - t0
         steps[name(compiled, ckpt)] = step
         print(f"{name(compiled, ckpt):18s} warm-up {a.warmup} steps {warm[name(compiled, ckpt)]:6.1f} s", flush=True)
-    per_processed, per_trained = flops_per_token(model, a.seq_len)
-    flops = tokens * (per_processed + per_trained)  # every token is trained here
+    # Every token is trained here; each row packs two examples (attention counted per example).
+    flops = model_flops(model).step(tokens, tokens, a.micro_batch * (half**2 + (a.seq_len - half) ** 2))
     peaks = [measure_peak_flops(torch.device("cpu"), "bf16")]
     times: dict[str, list[float]] = {n: [] for n in steps}
     for r in range(a.rounds):

@@ -31,7 +31,7 @@ data loading, collation and logging included, for both tools (llmtune: metrics.j
 on_step_end). Timed are the steps after the tracked ones (the tracker slows a CPU step down); compiled
 modes also skip two steps that compile, and the median keeps a later recompile (a new mask type or shape:
 both tools meet some) or a busy moment of the machine from deciding the figure. MFU is llmtune's model FLOPs
-(`metrics.flops_per_token`) against the highest matmul peak measured in the run in the trials' dtype (each
+(`metrics.model_flops`) against the highest matmul peak measured in the run in the trials' dtype (each
 trial's own measurement, 2048^3 and 4096^3; 256^3 and 512^3 where bf16 is emulated).
 
     .venv/bin/python scripts/bench_vs_hf.py --quick      # 1 round of 4 modes, ~6 min on 2 quiet cores
@@ -44,6 +44,7 @@ Writes benchmarks/results/vs_hf_cpu.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -101,8 +102,10 @@ def _sentence(rng: random.Random, lexicon: list[str], weights: list[float], n: i
     return " ".join(rng.choices(lexicon, weights=weights, k=n))
 
 
-def make_assets(folder: Path, *, layers: int, hidden: int, examples: int, max_length: int, seed: int = 0) -> dict:
-    """Tokenizer (BPE, 32000), Llama config (vocab 32000) and a chat jsonl of variable length."""
+def make_assets(
+    folder: Path, *, layers: int, hidden: int, examples: int, max_length: int, seed: int = 0, vocab: int = 32000
+) -> dict:
+    """Tokenizer (BPE, `vocab`), Llama config (vocab `vocab`) and a chat jsonl of variable length."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
@@ -115,7 +118,7 @@ def make_assets(folder: Path, *, layers: int, hidden: int, examples: int, max_le
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=32000, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(corpus, trainer)
     bos = tok.token_to_id("<s>")
@@ -127,7 +130,7 @@ def make_assets(folder: Path, *, layers: int, hidden: int, examples: int, max_le
     model_dir = folder / "model"
     fast.save_pretrained(model_dir)
     LlamaConfig(
-        vocab_size=32000,  # >= the trained tokenizer (BPE may stop a few merges short)
+        vocab_size=vocab,  # >= the trained tokenizer (BPE may stop a few merges short)
         hidden_size=hidden,
         intermediate_size=int(hidden * 2.75),
         num_hidden_layers=layers,
@@ -210,7 +213,7 @@ def run_llmtune(recipe: dict, tmp: Path, *, skip: int = 0) -> dict:
         # The loop's own MFU times train_step only; scaled to the whole-loop step time like tokens/s.
         "mfu": statistics.median(r["mfu"] * r["seconds"] / wall[r["step"]] for r in timed),
         "peak_flops_measured": run.peak_flops,
-        "flops_per_token": run.flops_per_token,
+        "model_flops": dataclasses.asdict(run.flops),
         "losses": [r["loss"] for r in steps],
         "trained_tokens_per_step": [r["trained_tokens"] for r in steps],
         "loss_impl": run.model.impl if hasattr(run.model, "impl") else None,
@@ -259,6 +262,7 @@ def hf_dataset(recipe: dict, tmp: Path, steps: int):
 def run_hf(
     assets: dict, tokenizer, ds, trained: list[int], *, micro: int, checkpointing: bool, optim: str, steps: int,
     seed: int, tmp: Path, precision: str, profile_step: int | None = None, compile: bool = False, skip: int = 0,
+    device: str = "cpu",
 ) -> dict:  # fmt: skip
     from accelerate.state import AcceleratorState
     from torch.utils.data import SequentialSampler
@@ -286,7 +290,7 @@ def run_hf(
         def on_step_begin(self, args, state, control, model=None, optimizer=None, **kw):
             step = state.global_step + 1
             if step <= TRACKED_STEPS:
-                self.tracker = PeakMemoryTracker("cpu", baseline=[model, optimizer])
+                self.tracker = PeakMemoryTracker(device, baseline=[model, optimizer])
                 self.tracker.__enter__()
             if step == profile_step:
                 self.prof = make_profiler().__enter__()
@@ -309,12 +313,13 @@ def run_hf(
     set_seed(seed)
     config = AutoConfig.from_pretrained(assets["model_dir"])
     config.use_cache = False
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.device(device):  # initialised where it trains (a GPU initialises a 1B model ~10x faster)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     measure = Measure()
 
     def autocast_probe(module, inputs, output):  # does bf16=True on a CPU really autocast?
         if measure.autocast is None:
-            measure.autocast = {"autocast_enabled": torch.is_autocast_enabled("cpu"), "q_proj_out": str(output.dtype)}
+            measure.autocast = {"autocast_enabled": torch.is_autocast_enabled(device), "q_proj_out": str(output.dtype)}
 
     hook = model.model.layers[0].self_attn.q_proj.register_forward_hook(autocast_probe)
     args = TrainingArguments(
@@ -335,7 +340,7 @@ def run_hf(
         disable_tqdm=True,
         seed=seed,
         dataloader_num_workers=0,
-        use_cpu=True,  # without it, bf16=True on a GPU-less machine is refused
+        use_cpu=device == "cpu",  # without it, bf16=True on a GPU-less machine is refused
         torch_compile=compile,
     )
     trainer = InOrder(
@@ -423,14 +428,37 @@ def check_peak_flops(precision: str, repeats: int = 3) -> dict:
 
 
 def estimate_peak(
-    config, *, micro: int, seq_len: int, checkpointing: bool, loss: str, optimizer: str, precision: str
-) -> int:
+    config, *, micro: int, seq_len: int, checkpointing: bool, loss: str, optimizer: str, precision: str,
+    device: str = "cpu",
+) -> int:  # fmt: skip
     from llmtune.memory.estimate import estimate
 
     return estimate(
         config, micro_batch_size=micro, seq_len=seq_len, precision=precision, gradient_checkpointing=checkpointing,
-        loss=loss, optimizer=optimizer, device="cpu", grad_accum_steps=GLOBAL_BATCH // micro,
+        loss=loss, optimizer=optimizer, device=device, grad_accum_steps=GLOBAL_BATCH // micro,
     ).peak_bytes  # fmt: skip
+
+
+def identical_trial(precision: str) -> tuple[dict, dict]:
+    """(llmtune recipe overrides, HF kwargs) of the `identical` mode."""
+    return (
+        {"data": {"packing": False, "group_by_length": False},
+         "training": {"micro_batch_size": IDENTICAL_MICRO, "loss": "hf", "gradient_checkpointing": False}},
+        {"micro": IDENTICAL_MICRO, "checkpointing": False, "optim": "adamw_torch_fused", "precision": precision},
+    )  # fmt: skip
+
+
+def hf_defaults(config, *, max_length: int, budget: int, precision: str, device: str = "cpu") -> tuple[dict, list]:
+    """HF kwargs of the `defaults` mode: the first setting of `hf_user_sequence` predicted to fit `budget`
+    (None when none does), and the settings tried."""
+    tried = []
+    for m, ckpt in hf_user_sequence():
+        pred = estimate_peak(config, micro=m, seq_len=max_length, checkpointing=ckpt, loss="hf",
+                             optimizer="adamw_fused", precision=precision, device=device)  # fmt: skip
+        tried.append({"micro": m, "checkpointing": ckpt, "predicted_peak_bytes": pred})
+        if pred <= budget:
+            return {"micro": m, "checkpointing": ckpt, "optim": "adamw_torch_fused", "precision": precision}, tried
+    return None, tried
 
 
 def hf_user_sequence() -> list[tuple[int, bool]]:
@@ -524,46 +552,30 @@ def main(argv: list[str] | None = None) -> dict:
         # What each side runs, per mode: (llmtune recipe overrides, HF kwargs, note).
         trials: dict[str, tuple[dict, dict, dict]] = {}
         if "identical" in a.modes:
-            trials["identical"] = (
-                {"data": {"packing": False, "group_by_length": False},
-                 "training": {"micro_batch_size": IDENTICAL_MICRO, "loss": "hf", "gradient_checkpointing": False}},
-                {"micro": IDENTICAL_MICRO, "checkpointing": False, "optim": "adamw_torch_fused",
-                 "precision": precision},
-                {},
-            )  # fmt: skip
+            trials["identical"] = (*identical_trial(precision), {})
         if {"defaults", "compiled", "throughput"} & set(a.modes):
             note: dict[str, Any] = {
                 "llmtune": "recipe defaults + memory.budget; micro_batch_size auto, planned by the loop"
             }
-            hf_choice, tried = None, []
-            for m, ckpt in hf_user_sequence():
-                pred = estimate_peak(config, micro=m, seq_len=a.max_length, checkpointing=ckpt, loss="hf",
-                                     optimizer="adamw_fused", precision=precision)  # fmt: skip
-                tried.append({"micro": m, "checkpointing": ckpt, "predicted_peak_bytes": pred})
-                if pred <= budget:
-                    hf_choice = (m, ckpt)
-                    break
-            note["hf_settings_tried"] = tried
-            if hf_choice is None:
+            hf_kwargs, note["hf_settings_tried"] = hf_defaults(
+                config, max_length=a.max_length, budget=budget, precision=precision
+            )
+            if hf_kwargs is None:
                 raise SystemExit(f"no HF setting fits {a.budget}")
-            hf_defaults = {
-                "micro": hf_choice[0], "checkpointing": hf_choice[1], "optim": "adamw_torch_fused",
-                "precision": precision,
-            }  # fmt: skip
             if "defaults" in a.modes:
                 # llmtune: its recipe defaults (packing, checkpointing, `loss: auto`, `micro_batch_size: auto`)
                 # and the budget, nothing else.
-                trials["defaults"] = ({"memory": {"budget": a.budget}}, dict(hf_defaults), note)
+                trials["defaults"] = ({"memory": {"budget": a.budget}}, dict(hf_kwargs), note)
             if "compiled" in a.modes:
                 trials["compiled"] = (
                     {"memory": {"budget": a.budget}, "training": {"compile": True}},
-                    {**hf_defaults, "compile": True},
+                    {**hf_kwargs, "compile": True},
                     {**note, "compile": "llmtune: training.compile (each decoder block); HF: torch_compile=True"},
                 )
             if "throughput" in a.modes:
                 trials["throughput"] = (
                     {"memory": {"budget": a.budget}, "training": {"compile": True, "gradient_checkpointing": False}},
-                    {**hf_defaults, "compile": True},
+                    {**hf_kwargs, "compile": True},
                     {**note, "llmtune": "recipe defaults + compile, checkpointing off + memory.budget"},
                 )
 

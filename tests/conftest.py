@@ -6,6 +6,19 @@ from pathlib import Path
 
 import pytest
 
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `gpu` show what only a CUDA GPU can (scripts/gpu_check.py runs them there)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (scripts/gpu_check.py runs these on one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 CHATML = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaC
 from llmtune.memory.estimate import LoraSpec, estimate, format_bytes, parse_bytes
 from llmtune.memory.measure import PeakMemoryTracker
 from llmtune.memory.plan import MemoryPlanError, default_budget, plan_micro_batch
+from llmtune.optim import BF16AdamW
 
 TOL = 0.02
 VOCAB = 512
@@ -61,10 +62,13 @@ def measured_peak(
     lora: LoraSpec | None = None,
     chunked: bool = False,
     accum: int = 1,
+    optimizer: str = "adamw",
+    device: str = "cpu",
 ) -> int:
     """Steady-state peak of real training steps: the peak of the 2nd optimizer step's window."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
     model.config.use_cache = False
     if precision == "bf16-true":
         model.to(torch.bfloat16)
@@ -77,9 +81,10 @@ def measured_peak(
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    x = torch.randint(1, VOCAB, (batch, seq_len))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = BF16AdamW(trainable, lr=1e-3) if optimizer == "adamw_bf16" else torch.optim.AdamW(trainable, lr=1e-3)
+    x = torch.randint(1, VOCAB, (batch, seq_len), device=device)
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
 
     def micro_step() -> None:
         with autocast:
@@ -97,7 +102,7 @@ def measured_peak(
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    with PeakMemoryTracker("cpu", baseline=[model, opt]) as tracker:
+    with PeakMemoryTracker(device, baseline=[model, opt]) as tracker:
         step()  # AdamW states appear at the first step
         tracker.reset_peak()
         step()
@@ -128,11 +133,12 @@ def test_estimate_matches_measured_peak(arch: str, precision: str, checkpointing
     [
         dict(attn="eager", precision="fp32", checkpointing=True),
         dict(precision="bf16-true", checkpointing=False),
+        dict(precision="bf16-true", checkpointing=False, optimizer="adamw_bf16"),
         dict(precision="bf16", checkpointing=True, lora=LoraSpec(rank=8)),
         dict(precision="fp32", checkpointing=False, chunked=True),
         dict(precision="fp32", checkpointing=False, accum=2),
     ],
-    ids=["eager", "bf16-true", "lora", "chunked-loss", "grad-accum"],
+    ids=["eager", "bf16-true", "bf16-true-adamw-bf16", "lora", "chunked-loss", "grad-accum"],
 )
 def test_estimate_matches_measured_peak_options(kw: dict) -> None:
     cfg = tiny_config("llama")
@@ -148,8 +154,22 @@ def test_estimate_matches_measured_peak_options(kw: dict) -> None:
         loss="chunked" if kw.get("chunked") else "hf",
         chunk_size=64,
         grad_accum_steps=kw.get("accum", 1),
+        optimizer=kw.get("optimizer", "adamw"),
     )
     assert_close(pred, meas)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("precision", "checkpointing"), [("bf16", False), ("bf16", True), ("bf16-true", False)])
+def test_estimate_matches_max_memory_allocated_on_cuda(precision: str, checkpointing: bool) -> None:
+    """The CUDA path is modelled (allocator rounding, CUDA kernels' saved tensors): checked on the GPU."""
+    cfg = tiny_config("llama")
+    meas = measured_peak(cfg, batch=4, seq_len=256, precision=precision, checkpointing=checkpointing, device="cuda")
+    pred = estimate(
+        cfg, micro_batch_size=4, seq_len=256, precision=precision, gradient_checkpointing=checkpointing,
+        device="cuda", optimizer="adamw_fused",
+    ).peak_bytes  # fmt: skip
+    assert abs(pred / meas - 1) <= 0.05, f"predicted {format_bytes(pred)} vs measured {format_bytes(meas)}"
 
 
 def test_layer_extrapolation_equals_full_trace() -> None:

@@ -8,9 +8,10 @@ import math
 import sys
 
 import pytest
+import torch
 
 from llmtune.cli import main
-from llmtune.metrics import TRACKER_MODULES, flops_per_token
+from llmtune.metrics import TRACKER_MODULES, ModelFlops, datasheet_peak_flops, model_flops, peak_flops
 from llmtune.plot import CURVES_FILE, PlotDependencyError, PlotError, add_plot_parser, plot_run, read_metrics
 
 STEP_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_bytes", "skipped_steps", "time"}
@@ -80,11 +81,11 @@ def check_curves(run) -> None:
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_flops_per_token_counts_the_head_per_trained_token_and_no_lookup(tied):
+def test_model_flops_count_the_head_per_trained_token_and_no_lookup(tied):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    h, inter, layers, vocab, kv, seq = 64, 160, 2, 500, 2, 32
+    h, inter, layers, vocab, kv = 64, 160, 2, 500, 2
     config = LlamaConfig(
         hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied,
@@ -94,12 +95,36 @@ def test_flops_per_token_counts_the_head_per_trained_token_and_no_lookup(tied):
     # q, o: h x h; k, v: h x kv*head_dim; gate, up, down: h x inter; two RMSNorm weights per layer + the final one.
     per_layer = 2 * h * h + 2 * h * kv * head_dim + 3 * h * inter + 2 * h
     body = layers * per_layer + h
-    attention = 12 * layers * h * seq
-    assert flops_per_token(model, seq) == (6 * body + attention, 6 * vocab * h)
+    assert model_flops(model) == ModelFlops(6 * body, 6 * vocab * h, 12 * layers * h)
 
     lora = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
     adapters = layers * 2 * (h + h)  # A: 2 x h, B: h x 2 per q_proj
-    assert flops_per_token(lora, seq) == (4 * body + 6 * adapters + attention, 4 * vocab * h)
+    assert model_flops(lora) == ModelFlops(4 * body + 6 * adapters, 4 * vocab * h, 12 * layers * h)
+
+
+def test_attention_flops_count_each_packed_example_not_the_row():
+    from llmtune.data import squared_lengths
+
+    packed = {"input_ids": [5] * 10, "position_ids": [0, 1, 2, 3, 0, 1, 2, 0, 1, 2]}  # examples of 4, 3, 3
+    plain = {"input_ids": [5] * 6}
+    assert squared_lengths([packed, plain]) == 16 + 9 + 9 + 36
+    flops = ModelFlops(per_token=100.0, per_trained_token=10.0, attention=2.0)
+    assert flops.step(processed_tokens=16, trained_tokens=5, squared_lengths=70) == 1600 + 50 + 140
+
+
+def test_mfu_peak_is_the_datasheet_figure_for_known_gpus_and_measured_elsewhere():
+    assert datasheet_peak_flops("NVIDIA H200") == 989.5e12
+    assert datasheet_peak_flops("NVIDIA H100 80GB HBM3") == 989.5e12
+    assert datasheet_peak_flops("NVIDIA H100 PCIe") == 756.5e12
+    assert datasheet_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert datasheet_peak_flops("NVIDIA L4") == 121e12
+    assert datasheet_peak_flops("NVIDIA L40S") == 362.05e12
+    assert datasheet_peak_flops("NVIDIA GeForce RTX 4090") == 165.2e12
+    assert datasheet_peak_flops("NVIDIA A10") == 125e12
+    assert datasheet_peak_flops("NVIDIA A10G") is None  # no published figure: measured
+    assert datasheet_peak_flops("Some Future GPU") is None
+    value, source = peak_flops(torch.device("cpu"), "fp32")
+    assert value > 0 and source.startswith("measured")
 
 
 def test_unknown_tracker_is_refused_at_start(tiny_recipe, tmp_path, capsys):
@@ -164,3 +189,18 @@ def test_plot_estimate_draws_the_breakdown_per_micro_batch(tiny_recipe, tmp_path
     plan = plan_micro_batch(config, global_batch_size=8, budget_bytes=2**30, seq_len=48, **settings)
     path = plot_estimate(recipe, config, settings, plan, 1, tmp_path / "estimate.png")
     assert path.read_bytes()[:8] == PNG
+
+
+@pytest.mark.gpu
+def test_datasheet_peak_bounds_a_large_matmul_on_this_gpu():
+    """The table holds dense figures: a large bf16 matmul gets close to it but never above (a sparse figure,
+    2x, or another card's would show here)."""
+    from llmtune.metrics import measure_peak_flops
+
+    name = torch.cuda.get_device_name()
+    known = datasheet_peak_flops(name)
+    if known is None:
+        pytest.skip(f"{name} has no datasheet figure: MFU uses the measured peak")
+    measured = measure_peak_flops(torch.device("cuda"), "bf16", max_size=8192)
+    assert 0.5 * known < measured <= 1.02 * known, (name, measured / 1e12, known / 1e12)
+    assert peak_flops(torch.device("cuda"), "bf16") == (known, f"datasheet: {name}, dense bf16")

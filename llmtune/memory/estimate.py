@@ -45,7 +45,7 @@ from llmtune.memory.measure import LiveStorageCounter
 from llmtune.model import enable_gradient_checkpointing, peft_quietly
 
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
-OPTIMIZERS = ("adamw", "adamw_fused", "adamw_8bit")
+OPTIMIZERS = ("adamw", "adamw_fused", "adamw_bf16", "adamw_8bit")
 LOSSES = ("hf", "chunked")
 SHARDINGS = ("none", "fsdp", "zero2", "zero3")
 DEVICES = ("cuda", "cpu")
@@ -184,6 +184,10 @@ def _build_model(config: Any, precision: str, attn_implementation: str, lora: Lo
 def _build_optimizer(params: list[torch.nn.Parameter], optimizer: str, device: str):
     if optimizer == "adamw_fused":
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
+    if optimizer == "adamw_bf16":  # llmtune's optimizer for bf16 weights: bf16 states, chunked fp32 temporaries
+        from llmtune.optim import BF16AdamW
+
+        return BF16AdamW(params, lr=1e-3)
     if optimizer == "adamw_8bit":
         # bitsandbytes updates one tensor at a time, like the for-loop implementation.
         return torch.optim.AdamW(params, lr=1e-3, foreach=False)

@@ -285,7 +285,9 @@ def estimate_settings(recipe: Recipe, *, loss: str, device: str, sharding: str =
         lora = LoraSpec(rank=peft.rank, target_modules=target, dropout=peft.dropout > 0, alpha=int(peft.alpha))
     optimizer = t.optimizer
     if optimizer == "adamw":
-        optimizer = "adamw_fused"  # what train.make_optimizer builds on CUDA and CPU
+        # What optim.make_optimizer builds: BF16AdamW for bf16 weights (bf16-true without adapters, whose
+        # adapters are fp32), fused AdamW otherwise.
+        optimizer = "adamw_bf16" if precision == "bf16-true" and peft.method == "none" else "adamw_fused"
     return dict(
         precision=precision,
         gradient_checkpointing=t.gradient_checkpointing,

@@ -1,0 +1,836 @@
+"""The one-shot GPU check: what llmtune promises, measured on the card, in one command (issue 16).
+
+    make gpu-check                                 # on a GPU machine: under 8 minutes on one H200
+    python scripts/gpu_check.py --tiny --out DIR   # every section at toy size on CPU (CI runs this)
+
+Writes gpu-<date>.json and gpu-<date>.md (benchmarks/results/ unless --out, e.g. `make gpu-check
+ARGS="--out $OUT"` where only $OUT comes back) after every section, so a section that fails or overruns
+its time box loses only itself; prints the tables at the end. Time boxes are checked between cases (an
+asynchronous interrupt inside a traced or CUDA operation can break torch's mode stacks); subprocesses get
+the time left. Memory, planner and throughput use random-init models shaped like Llama-3.2-1B and
+Qwen2.5-0.5B (and Llama-3.1-8B cut to 4 layers); the sections that test mechanics (and write checkpoints)
+use a small Llama. The tokenizer is trained offline: nothing is downloaded.
+
+Sections (in this order; the memory matrix last, as it takes the time that is left; `--sections` picks):
+- env: versions, the device, which optional packages are present, the MFU peak (datasheet or measured)
+  beside a large measured matmul.
+- fp16 (CUDA): dynamic loss scaling with an overflow injected at step 2: the loop counts exactly the steps
+  at which the loss scale dropped.
+- bf16_true: full fine-tuning with bf16 weights keeps its updates (llmtune.optim.BF16AdamW).
+- resume: a run resumed from its step-2 checkpoint reproduces the uninterrupted run's losses.
+- gpu_tests (CUDA): `pytest -m gpu`.
+- fsdp2, deepspeed_zero3 (CUDA): one-process smoke runs through `accelerate launch`: wrapping, the step,
+  sharded checkpoint, resume, final/ gathered to a model that loads.
+- planner: three budgets between the estimates of consecutive micro-batches: the planned micro-batch trains
+  under the budget enforced as a hard limit with no out-of-memory error, the next size up does not fit;
+  accelerate's `find_executable_batch_size` on the same budgets (its trials and its pick).
+- throughput: llmtune vs the HF Trainer (scripts/bench_vs_hf.py) at identical settings and with each
+  tool's defaults: tokens/s, peak memory, MFU against the datasheet peak.
+- memory: the estimate against the measured peak (CUDA: max_memory_allocated and max_memory_reserved; CPU:
+  live tensor bytes) over model x precision (bf16 mixed, bf16-true, fp16) x checkpointing x LoRA x
+  packed/padded rows x attention (sdpa; flash-attention-2 if importable); median, worst, most-under.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import importlib.util
+import itertools
+import json
+import logging
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_vs_hf  # noqa: E402  (the llmtune-vs-HF trial functions, shared)
+
+RESULTS = ROOT / "benchmarks" / "results"
+TARGETS = {
+    "memory_median_abs_error": 0.02,
+    "memory_worst_abs_error": 0.05,
+    "memory_most_under": -0.03,  # never more than 3% under max_memory_allocated
+    "tokens_per_s_ratio_identical": 1.0,
+    "mfu_bf16_1b": 0.40,
+}
+
+
+class SectionTimeout(Exception):
+    """The section's time box ran out; checked between cases (an asynchronous interrupt inside a traced or
+    CUDA operation can leave torch's mode stacks broken and kill the process)."""
+
+
+# ---------------------------------------------------------------- sizes, models, data
+
+
+@dataclass
+class Size:
+    max_length: int
+    micro: int  # memory section micro-batch
+    planner_global: int
+    vocab: int  # tokenizer
+    boxes: dict[str, float]  # seconds per section
+
+
+FULL = Size(
+    max_length=1024, micro=4, planner_global=16, vocab=32000,
+    boxes={"env": 30, "fp16": 40, "bf16_true": 40, "resume": 50, "memory": 300, "planner": 75, "throughput": 90,
+           "fsdp2": 70, "deepspeed_zero3": 70, "gpu_tests": 60},
+)  # fmt: skip
+TINY = Size(
+    # Boxes only bound a stuck CI run: a loaded 2-core machine ran this in 45-120 s.
+    max_length=64, micro=2, planner_global=2, vocab=512, boxes=dict.fromkeys(FULL.boxes, 120.0),
+)  # fmt: skip
+
+
+SMOKE = "smoke"  # a small Llama for the sections that test mechanics and save checkpoints (fast to write)
+
+
+def model_configs(tiny: bool) -> dict[str, Any]:
+    """Random-init shapes of the real models (sizes from their published config.json), and SMOKE."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if tiny:
+        return {
+            SMOKE: LlamaConfig(
+                hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
+            ),
+            "llama-1b-shape-tiny": LlamaConfig(
+                hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=1, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=256,
+            ),
+            "qwen-0.5b-shape-tiny": Qwen2Config(
+                hidden_size=56, intermediate_size=304, num_hidden_layers=2, num_attention_heads=7,
+                num_key_value_heads=1, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=256,
+            ),
+        }  # fmt: skip
+    return {
+        SMOKE: LlamaConfig(
+            hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=4, vocab_size=32000, max_position_embeddings=8192,
+        ),
+        "llama-3.2-1b": LlamaConfig(
+            hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+            num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192,
+        ),
+        "qwen2.5-0.5b": Qwen2Config(
+            hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=8192,
+        ),
+        "llama-3.1-8b-4layers": LlamaConfig(
+            hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
+            num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=8192,
+        ),
+    }  # fmt: skip
+
+
+@dataclass
+class Ctx:
+    tiny: bool
+    size: Size
+    device: torch.device
+    tmp: Path
+    models: dict[str, Path] = field(default_factory=dict)  # name -> folder (config + tokenizer)
+    data: dict[str, Path] = field(default_factory=dict)  # "long" (rows > max_length), "short" (pack several)
+    chat: Path | None = None  # bench_vs_hf's chat rows (the throughput section)
+    deadline: float = float("inf")  # the running section's time box (time.perf_counter)
+    _runs: itertools.count = field(default_factory=itertools.count)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def seconds_left(self) -> float:
+        return max(1.0, self.deadline - time.perf_counter())
+
+    def check_time(self) -> None:
+        if time.perf_counter() > self.deadline:
+            raise SectionTimeout("the section's time box ran out")
+
+    def recipe(self, model: str, **training: Any) -> dict:
+        """A recipe for `model` on the long rows, unpacked; `training` keys override (data__x / peft__x too)."""
+        recipe = {
+            "output_dir": str(self.tmp / f"run-{next(self._runs)}"),
+            "seed": 0,
+            "model": {"name_or_path": str(self.models[model]), "random_init": True, "attn_implementation": "sdpa"},
+            "data": {"train": [{"path": str(self.data["long"]), "format": "text"}],
+                     "max_length": self.size.max_length, "packing": False, "group_by_length": False},
+            "training": {"precision": "auto", "micro_batch_size": self.size.micro, "global_batch_size": self.size.micro,
+                         "max_steps": 3, "learning_rate": 1e-4, "lr_schedule": "constant", "warmup_steps": 0},
+            "logging": {"every_n_steps": 1, "progress_bar": False},
+            "checkpoint": {"resume": "none", "every_n_steps": 0},
+        }  # fmt: skip
+        for key, value in training.items():
+            section, _, name = key.rpartition("__")
+            recipe.setdefault(section or "training", {})[name] = value
+        return recipe
+
+
+def prepare(ctx: Ctx) -> None:
+    """Tokenizer (bench_vs_hf's, trained offline), one folder per model shape, two text files."""
+    assets = bench_vs_hf.make_assets(
+        ctx.tmp / "assets", layers=1, hidden=64, examples=200, max_length=ctx.size.max_length, vocab=ctx.size.vocab
+    )
+    ctx.chat = Path(assets["data"])
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(assets["model_dir"])
+    for name, config in model_configs(ctx.tiny).items():
+        folder = ctx.tmp / "models" / name
+        tokenizer.save_pretrained(folder)
+        config.pad_token_id, config.bos_token_id, config.eos_token_id = (
+            tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id,
+        )  # fmt: skip
+        config.save_pretrained(folder)
+        ctx.models[name] = folder
+    rng = random.Random(0)
+    lexicon = bench_vs_hf._lexicon(rng, 5000)
+    weights = [1.0 / (i + 10) for i in range(len(lexicon))]
+    n = ctx.size.max_length
+    # Every long row has more words than max_length tokens (a word is >= 1 token): truncated, each row is
+    # exactly max_length, the length the estimate assumes. Short rows pack 3-10 to a row.
+    rows = {
+        "long": [bench_vs_hf._sentence(rng, lexicon, weights, n + 16) for _ in range(48)],
+        "short": [bench_vs_hf._sentence(rng, lexicon, weights, rng.randint(n // 16, n // 4)) for _ in range(320)],
+    }
+    for kind, texts in rows.items():
+        ctx.data[kind] = ctx.tmp / f"{kind}.jsonl"
+        ctx.data[kind].write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+
+def build_run(recipe: dict, tmp: Path):
+    from llmtune.recipe import load_recipe
+    from llmtune.train import build
+
+    path = tmp / f"recipe-{time.monotonic_ns()}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return build(load_recipe(path))
+
+
+def run_group(cmd: list[str], timeout: float, **kwargs: Any) -> subprocess.CompletedProcess:
+    """subprocess.run in a session of its own, killed whole on timeout: `accelerate launch` starts torchrun,
+    which starts the workers, and a worker left behind would hold the GPU for the sections after it."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def examples(run: Any, step: int) -> list[dict]:
+    from llmtune.data import batch_for_step
+
+    r = run.recipe
+    return batch_for_step(
+        run.data.train, step=step, global_batch_size=r.training.global_batch_size, seed=r.seed, rank=0,
+        world_size=1, group_by_length=r.data.group_by_length,
+    )  # fmt: skip
+
+
+def estimate_for(run: Any, *, micro: int, seq_len: int) -> Any:
+    """The estimate the loop's planner would make for this run at `micro` x `seq_len`."""
+    from llmtune.loss import resolve_loss_impl
+    from llmtune.memory.estimate import estimate
+    from llmtune.memory.plan import estimate_settings
+
+    config = run.model.model.config  # CausalLMWithLoss around the (peft) model
+    r = run.recipe
+    loss = resolve_loss_impl(r.training.loss, config)
+    settings = estimate_settings(r, loss=loss, device=run.accelerator.device.type, precision=run.precision)
+    accum = -(-r.training.global_batch_size // micro)
+    return estimate(config, micro_batch_size=micro, seq_len=seq_len, grad_accum_steps=accum, **settings)
+
+
+def steady_peak(run: Any, steps: list[list[dict]], limit: int | None = None) -> tuple[int, int | None, bool]:
+    """(peak bytes, CUDA reserved peak, out of memory) of `steps[1:]` after a first untracked step (AdamW's
+    states appear in it). Out of memory: the loop caught it and shrank the plan (train_step -> None)."""
+    from llmtune.memory.measure import PeakMemoryTracker
+    from llmtune.train import train_step
+
+    first = train_step(run, steps[0])
+    with PeakMemoryTracker(run.accelerator.device, baseline=[run.model, run.optimizer], limit_bytes=limit) as t:
+        results = [train_step(run, s) for s in steps[1:]]
+    reserved = torch.cuda.max_memory_reserved() if run.accelerator.device.type == "cuda" else None
+    return t.peak_bytes, reserved, first is None or any(r is None for r in results)
+
+
+# ---------------------------------------------------------------- sections
+
+
+def section_env(ctx: Ctx, out: dict) -> None:
+    import accelerate
+    import peft
+    import transformers
+
+    from llmtune.metrics import measure_peak_flops, peak_flops
+
+    out["versions"] = {
+        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__, "peft": peft.__version__, "cuda": torch.version.cuda,
+    }  # fmt: skip
+    out["packages"] = {
+        name: importlib.util.find_spec(name) is not None for name in ("datasets", "deepspeed", "flash_attn", "pytest")
+    }
+    out["device"] = torch.cuda.get_device_name(ctx.device) if ctx.cuda else platform.processor() or "cpu"
+    out["cpus"] = os.cpu_count()
+    precision = "bf16" if ctx.cuda else "fp32"
+    value, source = peak_flops(ctx.device, precision)
+    out["mfu_peak"] = {"precision": precision, "flops": value, "source": source}
+    # Beside it, what a large matmul reaches (the datasheet is an upper bound; a small matmul under-reads).
+    size = 8192 if ctx.cuda else 256
+    out["measured_matmul"] = {"size": size, "flops": measure_peak_flops(ctx.device, precision, max_size=size)}
+    if ctx.cuda:
+        free, total = torch.cuda.mem_get_info(ctx.device)
+        out["memory"] = {"total_bytes": total, "free_bytes": free}
+
+
+def section_fp16(ctx: Ctx, out: dict) -> None:
+    """fp16 with an overflow injected into step 2's gradients: the step is skipped and counted."""
+    from llmtune.train import fit
+
+    run = build_run(ctx.recipe(SMOKE, precision="fp16", max_steps=4), ctx.tmp)
+    param = next(p for p in run.model.parameters() if p.requires_grad)
+    calls = [0]
+
+    def overflow_on_second_backward(grad: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return torch.full_like(grad, float("inf")) if calls[0] == 2 else grad
+
+    param.register_hook(overflow_on_second_backward)
+    # The truth to count against: the scale after every update (it drops exactly when a step was skipped; a
+    # fresh scale of 2^16 may also overflow by itself in the first steps).
+    scaler = run.accelerator.scaler
+    scales, update = [scaler.get_scale()], scaler.update
+
+    def update_and_record(*args: Any, **kwargs: Any) -> None:
+        update(*args, **kwargs)
+        scales.append(scaler.get_scale())
+
+    scaler.update = update_and_record
+    summary = fit(run)
+    drops = [i + 1 for i, (a, b) in enumerate(itertools.pairwise(scales)) if b < a]
+    records = [json.loads(x) for x in (Path(run.recipe.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    out.update(
+        skipped_steps=summary["skipped_steps"], scale_drops_at_steps=drops, scales=scales, injected_at_step=2,
+        losses=[r["loss"] for r in records if "loss" in r],
+    )  # fmt: skip
+    out["ok"] = 2 in drops and summary["skipped_steps"] == len(drops)
+    del run
+    release()
+
+
+def section_bf16_true(ctx: Ctx, out: dict) -> None:
+    """Full fine-tuning in bf16-true at a fine-tuning learning rate: the share of weights that moved."""
+    from llmtune.optim import BF16AdamW
+    from llmtune.train import fit
+
+    lr = 2e-5
+    run = build_run(ctx.recipe(SMOKE, precision="bf16-true", learning_rate=lr, max_steps=4), ctx.tmp)
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    fit(run)
+    # Weights with |w| >= 2^-6 have a bf16 step of >= 2^-13 (1.2e-4): AdamW's update (<= lr, 2e-5) is under
+    # half of it, so rounding to nearest never moves them; stochastic rounding moves each with p ~ lr/step.
+    moved = large = 0
+    for p, b in zip(params, before, strict=True):
+        mask = b.abs() >= 2**-6
+        large += int(mask.sum())
+        moved += int((p.detach() != b)[mask].sum())
+    out.update(optimizer=type(run.optimizer.optimizer).__name__, steps=4, learning_rate=lr,
+               moved_fraction_of_weights_nearest_rounding_cannot_move=moved / max(large, 1))  # fmt: skip
+    out["ok"] = isinstance(run.optimizer.optimizer, BF16AdamW) and moved / max(large, 1) > 0.1  # nearest: 0
+    del run, params, before
+    release()
+
+
+def section_resume(ctx: Ctx, out: dict) -> None:
+    """4 steps straight vs 2 steps + resume from the step-2 checkpoint (constant lr: the schedule does not
+    depend on max_steps)."""
+    from llmtune.train import fit
+
+    straight = ctx.recipe(SMOKE, max_steps=4, checkpoint__every_n_steps=2, data__packing=True,
+                          data__train=[{"path": str(ctx.data["short"]), "format": "text"}])  # fmt: skip
+    losses = {}
+    for name, steps in (("straight", [4]), ("resumed", [2, 4])):
+        recipe = copy.deepcopy(straight)
+        recipe["output_dir"] = str(ctx.tmp / f"resume-{name}")
+        for i, max_steps in enumerate(steps):
+            ctx.check_time()
+            recipe["training"]["max_steps"] = max_steps
+            recipe["checkpoint"]["resume"] = "auto" if i else "none"
+            fit(build_run(recipe, ctx.tmp))
+            release()
+        lines = Path(recipe["output_dir"], "metrics.jsonl").read_text().splitlines()
+        losses[name] = {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+    diffs = [abs(losses["resumed"][s] / losses["straight"][s] - 1) for s in (3, 4)]
+    out.update(losses=losses, max_rel_diff_after_resume=max(diffs))
+    out["ok"] = max(diffs) < 1e-3
+
+
+def memory_cases(ctx: Ctx) -> list[dict]:
+    precisions = ["bf16", "bf16-true", "fp16"] if ctx.cuda else ["bf16", "bf16-true"]  # fp16 is refused on CPU
+    attns = ["sdpa"] + (["flash_attention_2"] if importlib.util.find_spec("flash_attn") and ctx.cuda else [])
+    cases = [
+        dict(model=m, precision=p, checkpointing=c, lora=lo, packed=pk, attn=a)
+        for lo, pk, a, m, p, c in itertools.product(
+            [False, True], [True, False], attns, [m for m in ctx.models if m != SMOKE], precisions, [True, False]
+        )
+    ]
+    if ctx.tiny:  # three spread cases (stride 11 over the 2^5 product: every factor takes both values)
+        return cases[::11]
+    # The time box cuts the tail: first every model and precision (no LoRA, packed rows), then the rest of
+    # the 1B shape's matrix, then the others'.
+    first = cases[0]["model"]
+    return sorted(cases, key=lambda c: 0 if not c["lora"] and c["packed"] else 1 if c["model"] == first else 2)
+
+
+def section_memory(ctx: Ctx, out: dict) -> None:
+    out["rows"] = rows = []
+    out["skipped"] = [] if ctx.cuda else ["fp16 (needs CUDA)"]
+    if not importlib.util.find_spec("flash_attn"):
+        out["skipped"].append("flash_attention_2 (flash_attn is not installed)")
+    out["failed"] = failed = []
+    for case in memory_cases(ctx):
+        ctx.check_time()
+        try:
+            rows.append({**case, **memory_case(ctx, case)})
+        except SectionTimeout:
+            raise
+        except Exception:  # one combination's failure (a kernel, a package) is a result, not the end
+            failed.append({**case, "error": traceback.format_exc(limit=4)[-1500:]})
+    summarise_memory(out)
+
+
+def memory_case(ctx: Ctx, case: dict) -> dict:
+    release()
+    leftover = torch.cuda.memory_allocated() if ctx.cuda else 0
+    data = ctx.data["short" if case["packed"] else "long"]
+    recipe = ctx.recipe(
+        case["model"], precision=case["precision"], gradient_checkpointing=case["checkpointing"],
+        peft__method="lora" if case["lora"] else "none", model__attn_implementation=case["attn"],
+        data__packing=case["packed"], data__train=[{"path": str(data), "format": "text"}],
+    )  # fmt: skip
+    run = build_run(recipe, ctx.tmp)
+    steps = [examples(run, s) for s in range(2)]
+    peak, reserved, oom = steady_peak(run, steps)
+    width = max(len(e["input_ids"]) for s in steps[1:] for e in s)
+    est = estimate_for(run, micro=ctx.size.micro, seq_len=width)
+    measured = peak - leftover  # on CUDA the allocator counts everything, earlier cases' leftovers too
+    return {
+        "seq_len": width, "estimate_bytes": est.peak_bytes, "estimate_phase": est.peak_phase,
+        "measured_bytes": measured, "reserved_bytes": reserved, "leftover_bytes": leftover, "oom": oom,
+        "error": est.peak_bytes / measured - 1,
+        "error_vs_reserved": est.peak_bytes / (reserved - leftover) - 1 if reserved else None,
+    }  # fmt: skip
+
+
+def summarise_memory(out: dict) -> None:
+    errors = [r["error"] for r in out["rows"]]
+    if not errors:
+        return
+    out["summary"] = {
+        "cases": len(errors),
+        "median_abs_error": statistics.median(abs(e) for e in errors),
+        "worst_abs_error": max(abs(e) for e in errors),
+        "most_under": min(errors),
+    }
+    s = out["summary"]
+    out["ok"] = (
+        s["median_abs_error"] <= TARGETS["memory_median_abs_error"]
+        and s["worst_abs_error"] <= TARGETS["memory_worst_abs_error"]
+        and s["most_under"] >= TARGETS["memory_most_under"]
+    )
+
+
+def section_planner(ctx: Ctx, out: dict) -> None:
+    """Budgets half-way between the estimates of consecutive micro-batches; the loop plans (micro_batch_size
+    auto) and trains under the budget as a hard limit; then the next size up, and accelerate's retry."""
+    model = next(m for m in ctx.models if m.startswith("qwen"))  # the smallest real shape
+    g = ctx.size.planner_global
+    base = ctx.recipe(model, precision="auto", gradient_checkpointing=False, global_batch_size=g, max_steps=3)
+    probe = build_run(base, ctx.tmp)
+    divisors = [m for m in range(1, g + 1) if g % m == 0]
+    est = {m: estimate_for(probe, micro=m, seq_len=ctx.size.max_length).peak_bytes for m in divisors}
+    del probe
+    out["estimates"] = {str(m): v for m, v in est.items()}
+    out["rows"], out["failed"] = rows, failed = [], []
+    for planned in divisors[-4:-1]:  # each with a next size up
+        ctx.check_time()
+        nxt = divisors[divisors.index(planned) + 1]
+        budget = (est[planned] + est[nxt]) // 2
+        try:
+            rows.append(planner_budget(ctx, base, budget, planned, nxt))
+        except SectionTimeout:
+            raise
+        except Exception:
+            failed.append({"budget_bytes": budget, "error": traceback.format_exc(limit=4)[-1500:]})
+    out["ok"] = not failed and all(r["planned"] == r["expected"] and r["fits"] and not r["next_fits"] for r in rows)
+    out["ooms"] = sum(r["oom"] for r in rows)
+
+
+def planner_budget(ctx: Ctx, base: dict, budget: int, planned: int, nxt: int) -> dict:
+    from accelerate.utils import find_executable_batch_size
+
+    from llmtune.memory.estimate import format_bytes
+    from llmtune.train import BatchPlan
+
+    release()
+    g = base["training"]["global_batch_size"]
+    recipe = copy.deepcopy(base)
+    recipe["training"]["micro_batch_size"] = "auto"
+    recipe["memory"] = {"budget": str(budget)}
+    run = build_run(recipe, ctx.tmp)
+    steps = [examples(run, s) for s in range(2)]
+    row = {"budget_bytes": budget, "budget": format_bytes(budget), "expected": planned,
+           "planned": run.plan.micro_batch_size}  # fmt: skip
+    row["peak_bytes"], row["reserved_bytes"], row["oom"] = steady_peak(run, steps, limit=budget)
+    row["fits"] = not row["oom"] and row["peak_bytes"] <= budget
+    run.plan = BatchPlan(nxt, g // nxt, 1, "gpu_check: next size up")
+    row["next"], (row["next_peak_bytes"], _, _) = nxt, steady_peak(run, steps)
+    row["next_fits"] = row["next_peak_bytes"] <= budget
+    trials: list[int] = []
+
+    @find_executable_batch_size(starting_batch_size=g)
+    def attempt(batch_size: int) -> int:
+        trials.append(batch_size)
+        ctx.check_time()
+        release()
+        run.plan = BatchPlan(batch_size, -(-g // batch_size), 1, "find_executable_batch_size")
+        if steady_peak(run, steps, limit=budget)[2]:
+            # llmtune's loop recovers from the OOM by itself; a plain loop would have raised it.
+            raise torch.OutOfMemoryError("CUDA out of memory. (caught by llmtune's loop, re-raised)")
+        return batch_size
+
+    row["accelerate_pick"] = attempt()
+    row["accelerate_trials"] = trials
+    row["accelerate_pick_divides_global_batch"] = g % row["accelerate_pick"] == 0
+    return row
+
+
+def section_throughput(ctx: Ctx, out: dict) -> None:
+    """bench_vs_hf's trials on the 1B shape (tiny: toy), bf16 where the device has it."""
+    from transformers import AutoConfig
+
+    from llmtune.memory.estimate import parse_bytes
+    from llmtune.model import resolve_precision
+
+    precision = resolve_precision("auto", ctx.device.type)
+    model = next(m for m in ctx.models if m.startswith("llama-") and m != SMOKE)  # the 1B shape
+    folder = ctx.tmp / "throughput"
+    folder.mkdir()
+    assets = {"model_dir": str(ctx.models[model]), "data": str(ctx.chat)}
+    config = AutoConfig.from_pretrained(ctx.models[model])
+    steps = bench_vs_hf.TRACKED_STEPS + (1 if ctx.tiny else 6)  # memory is tracked in the first, then timed
+    base = bench_vs_hf.base_recipe(assets, folder / "run", max_length=ctx.size.max_length, steps=steps, seed=0,
+                                   precision=precision)  # fmt: skip
+    tokenizer, ds, trained = bench_vs_hf.hf_dataset(base, folder, steps)
+    budget = "60GiB" if ctx.cuda else "2GiB"
+    hf_kwargs, tried = bench_vs_hf.hf_defaults(config, max_length=ctx.size.max_length, budget=parse_bytes(budget),
+                                               precision=precision, device=ctx.device.type)  # fmt: skip
+    modes = {
+        "identical": bench_vs_hf.identical_trial(precision),
+        "defaults": ({"memory": {"budget": budget}}, hf_kwargs),
+    }
+    if not ctx.tiny:  # llmtune's fastest setting that fits: what MFU can reach
+        modes["defaults_no_checkpointing"] = (
+            {"memory": {"budget": budget}, "training": {"gradient_checkpointing": False}},
+            hf_kwargs,
+        )
+    out.update(precision=precision, budget=budget, hf_settings_tried=tried, modes={})
+    for mode, (over, kwargs) in modes.items():
+        ctx.check_time()
+        recipe = bench_vs_hf.merge(copy.deepcopy(base), over)
+        recipe["output_dir"] = str(folder / f"run-{mode}")
+        pair = {"llmtune": bench_vs_hf.run_llmtune(recipe, folder)}
+        shutil.rmtree(recipe["output_dir"])  # a 1B model's final/ is 5 GB; the disk is not endless
+        release()
+        pair["hf"] = bench_vs_hf.run_hf(assets, tokenizer, ds, trained, steps=steps, seed=0, tmp=folder,
+                                        device=ctx.device.type, **kwargs)  # fmt: skip
+        release()
+        pair["tokens_per_s_ratio"] = pair["llmtune"]["tokens_per_s"] / pair["hf"]["tokens_per_s"]
+        pair["memory_ratio"] = pair["llmtune"]["peak_memory_bytes"] / pair["hf"]["peak_memory_bytes"]
+        out["modes"][mode] = pair
+    best_mfu = max(m["llmtune"]["mfu"] for m in out["modes"].values())
+    out["best_mfu"] = best_mfu
+    # A toy model's step is mostly per-step overhead, on a busy CPU: no targets there.
+    speed_ok = out["modes"]["identical"]["tokens_per_s_ratio"] >= TARGETS["tokens_per_s_ratio_identical"]
+    out["ok"] = None if ctx.tiny else speed_ok and best_mfu >= TARGETS["mfu_bf16_1b"]
+
+
+def launch_smoke(ctx: Ctx, out: dict, config_file: str) -> None:
+    """One process through `accelerate launch`: train with a checkpoint, resume, load final/."""
+    recipe = ctx.recipe(SMOKE, max_steps=2, checkpoint__every_n_steps=2, logging__every_n_steps=1)
+    path = ctx.tmp / f"smoke-{Path(config_file).stem}.yaml"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / config_file),
+           "--num_processes", "1", str(ROOT / "scripts" / "finetune.py"), "--recipe", str(path)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out["runs"] = []
+    for max_steps, resume in ((2, "none"), (4, "auto")):
+        recipe["training"]["max_steps"], recipe["checkpoint"]["resume"] = max_steps, resume
+        path.write_text(yaml.safe_dump(recipe))
+        proc = run_group(cmd, ctx.seconds_left(), env=env)
+        text = proc.stdout + proc.stderr
+        launch = next((line.split(None, 1)[1] for line in text.splitlines() if line.strip().startswith("launch ")), "")
+        out["runs"].append({"max_steps": max_steps, "returncode": proc.returncode, "launch": launch.strip(),
+                            "resumed": "resumed from" in text, "tail": text[-1500:]})  # fmt: skip
+        if proc.returncode:
+            break  # nothing to resume from
+    from transformers import AutoModelForCausalLM
+
+    final = Path(recipe["output_dir"]) / "final"
+    loaded = AutoModelForCausalLM.from_pretrained(final) if final.exists() else None
+    out["final_loads"] = loaded is not None
+    out["ok"] = len(out["runs"]) == 2 and all(r["returncode"] == 0 for r in out["runs"])
+    out["ok"] = out["ok"] and out["runs"][1]["resumed"] and out["final_loads"]
+
+
+def section_fsdp2(ctx: Ctx, out: dict) -> None:
+    launch_smoke(ctx, out, "recipes/accelerate/fsdp2.yaml")
+    out["ok"] = out["ok"] and all("FSDP" in r["launch"] for r in out["runs"])
+
+
+def section_deepspeed_zero3(ctx: Ctx, out: dict) -> None:
+    launch_smoke(ctx, out, "recipes/accelerate/deepspeed_zero3.yaml")
+    out["ok"] = out["ok"] and all("DEEPSPEED" in r["launch"] for r in out["runs"])
+
+
+def section_gpu_tests(ctx: Ctx, out: dict) -> None:
+    report = ctx.tmp / "gpu-tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", str(ROOT / "tests"), f"--junitxml={report}"]
+    proc = run_group(cmd, ctx.seconds_left(), cwd=ROOT)
+    out.update(returncode=proc.returncode, tail=(proc.stdout + proc.stderr)[-3000:])
+    out["ok"] = proc.returncode == 0
+
+
+def no_cuda(why: str = "") -> Callable[[Ctx], str | None]:
+    return lambda ctx: None if ctx.cuda else f"no CUDA{why}"
+
+
+# name: (function, why it is skipped here or None). The memory matrix comes last: it takes what time is left.
+SECTIONS: dict[str, tuple[Callable[[Ctx, dict], None], Callable[[Ctx], str | None]]] = {
+    "env": (section_env, lambda ctx: None),
+    "fp16": (section_fp16, no_cuda(" (llmtune refuses fp16 on a CPU)")),
+    "bf16_true": (section_bf16_true, lambda ctx: None),
+    "resume": (section_resume, lambda ctx: None),
+    "gpu_tests": (section_gpu_tests, no_cuda()),
+    "fsdp2": (section_fsdp2, no_cuda(" (Accelerate runs FSDP on GPUs only)")),
+    "deepspeed_zero3": (
+        section_deepspeed_zero3,
+        lambda ctx: no_cuda()(ctx) or (None if importlib.util.find_spec("deepspeed") else "deepspeed is not installed"),
+    ),
+    "planner": (section_planner, lambda ctx: None),
+    "throughput": (section_throughput, lambda ctx: None),
+    "memory": (section_memory, lambda ctx: None),
+}
+
+
+# ---------------------------------------------------------------- report
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.2%}"
+
+
+def fmt_bytes(x: float | None) -> str:
+    from llmtune.memory.estimate import format_bytes
+
+    return "-" if x is None else format_bytes(x)
+
+
+def table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
+
+
+def markdown(results: dict) -> str:
+    s = results["sections"]
+    device = s.get("env", {}).get("device", "?")
+    size = "tiny" if results["tiny"] else "full"
+    lines = [f"# GPU check {results['date']}", "", f"`{results['command']}` on {device} ({size} size,"
+             f" {results['seconds']:.0f} s)", ""]  # fmt: skip
+    status = {True: " ok", False: " MISSED", None: ""}
+    lines += table(
+        ["section", "status", "seconds", "result"],
+        [[n, sec["status"] + status[sec.get("ok")], f"{sec.get('seconds', 0):.0f}", headline(n, sec)]
+         for n, sec in s.items()],
+    )  # fmt: skip
+    if s.get("memory", {}).get("rows"):
+        lines += ["", "## Memory: estimate vs measured peak", ""]
+        lines += table(
+            ["model", "precision", "ckpt", "LoRA", "rows", "attn", "estimate", "allocated", "error", "reserved",
+             "estimate vs reserved"],
+            [[r["model"], r["precision"], "on" if r["checkpointing"] else "off", "r16" if r["lora"] else "-",
+              "packed" if r["packed"] else "padded", r["attn"], fmt_bytes(r["estimate_bytes"]),
+              fmt_bytes(r["measured_bytes"]), pct(r["error"]), fmt_bytes(r["reserved_bytes"]),
+              pct(r["error_vs_reserved"])] for r in s["memory"]["rows"]],
+        )  # fmt: skip
+    if s.get("planner", {}).get("rows"):
+        lines += ["", "## Planner (budget enforced as a hard limit)", ""]
+        lines += table(
+            ["budget", "planned (expected)", "peak", "OOM", "next size", "its peak",
+             "find_executable_batch_size trials", "its pick"],
+            [[r["budget"], f"{r['planned']} ({r['expected']})", fmt_bytes(r["peak_bytes"]), r["oom"], r["next"],
+              fmt_bytes(r["next_peak_bytes"]) + (" fits" if r["next_fits"] else " over"), r["accelerate_trials"],
+              r["accelerate_pick"]] for r in s["planner"]["rows"]],
+        )  # fmt: skip
+    if s.get("throughput", {}).get("modes"):
+        rows = []
+        for mode, pair in s["throughput"]["modes"].items():
+            for tool in ("llmtune", "hf"):
+                r = pair[tool]
+                mfu = f"{r['mfu']:.1%}" if "mfu" in r else ""
+                rows.append([mode, tool, r["micro_batch_size"], r["gradient_checkpointing"],
+                             f"{r['tokens_per_s']:.0f}", fmt_bytes(r["peak_memory_bytes"]), mfu])  # fmt: skip
+            rows.append([mode, "llmtune/HF", "", "", f"{pair['tokens_per_s_ratio']:.2f}x",
+                         f"{pair['memory_ratio']:.2f}x", ""])  # fmt: skip
+        lines += ["", "## Throughput: llmtune vs the HF Trainer", ""]
+        lines += table(["mode", "tool", "micro", "ckpt", "tokens/s", "peak", "MFU"], rows)
+    lines += ["", "Targets: " + ", ".join(f"{k} {v}" for k, v in TARGETS.items())]
+    return "\n".join(lines) + "\n"
+
+
+def headline(name: str, sec: dict) -> str:
+    if sec["status"] == "skipped":
+        return sec["reason"]
+    if name == "memory" and "summary" in sec:  # also when its time box cut the matrix short
+        m = sec["summary"]
+        return (f"{m['cases']} cases: median |error| {m['median_abs_error']:.2%}, worst {m['worst_abs_error']:.2%},"
+                f" most under {pct(m['most_under'])}; {len(sec['failed'])} failed; skipped:"
+                f" {', '.join(sec['skipped']) or 'none'}")  # fmt: skip
+    if sec["status"] != "done":
+        return (sec.get("error") or sec["status"]).strip().splitlines()[-1]
+    if name == "env":
+        peak = sec["mfu_peak"]
+        return f"{sec['device']}, torch {sec['versions']['torch']}; MFU peak {peak['flops'] / 1e12:.1f} TFLOP/s" + (
+            f" ({peak['source']}); matmul {sec['measured_matmul']['flops'] / 1e12:.1f}"
+        )
+    if name == "planner":
+        return f"{len(sec['rows'])} budgets, {sec['ooms']} OOMs, {len(sec['failed'])} failed"
+    if name == "throughput":
+        ratios = ", ".join(f"{m} {p['tokens_per_s_ratio']:.2f}x" for m, p in sec["modes"].items())
+        return f"tokens/s llmtune/HF: {ratios}; best MFU {sec['best_mfu']:.1%}"
+    if name == "fp16":
+        return (f"{sec['skipped_steps']} skipped step(s) counted; the loss scale dropped at steps"
+                f" {sec['scale_drops_at_steps']} (overflow injected at {sec['injected_at_step']})")  # fmt: skip
+    if name == "bf16_true":
+        moved = sec["moved_fraction_of_weights_nearest_rounding_cannot_move"]
+        return f"{sec['optimizer']}: {moved:.0%} of the weights that rounding to nearest cannot move moved"
+    if name == "resume":
+        return f"loss after resume within {sec['max_rel_diff_after_resume']:.1e} of the straight run"
+    if name in ("fsdp2", "deepspeed_zero3"):
+        exits = [r["returncode"] for r in sec["runs"]]
+        return f"launch {sec['runs'][0]['launch']}; exit {exits}; final/ loads: {sec['final_loads']}"
+    if name == "gpu_tests":
+        return sec["tail"].strip().splitlines()[-1] if sec["tail"].strip() else ""
+    return ""
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="toy sizes (CPU, CI): every section, in seconds")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="folder for gpu-<date>.json and .md (default: benchmarks/results, or"
+        " runs/gpu-check with --tiny: toy results are not for committing)",
+    )
+    p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    p.add_argument("--budget-s", type=float, default=None, help="stop starting sections after this many seconds")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    size = TINY if a.tiny else FULL
+    budget_s = a.budget_s or (900 if a.tiny else 430)  # the device lends 10 minutes a command
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
+    started = time.perf_counter()
+    date = datetime.now(timezone.utc)
+    stem = f"gpu-{'tiny-' if a.tiny else ''}{date.strftime('%Y-%m-%d')}"
+    results: dict[str, Any] = {
+        "date": date.isoformat(timespec="seconds"),
+        "command": "python scripts/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "tiny": a.tiny, "targets": TARGETS, "sections": {}, "seconds": 0.0,
+    }  # fmt: skip
+    a.out = a.out or (ROOT / "runs" / "gpu-check" if a.tiny else RESULTS)
+    a.out.mkdir(parents=True, exist_ok=True)
+
+    def write() -> None:
+        results["seconds"] = time.perf_counter() - started
+        (a.out / f"{stem}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+        (a.out / f"{stem}.md").write_text(markdown(results))
+
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        ctx = Ctx(tiny=a.tiny, size=size, device=device, tmp=Path(tmp))
+        try:
+            prepare(ctx)
+        except Exception:  # nothing can run without the tokenizer and data; say why in the results
+            results["prepare_error"] = traceback.format_exc(limit=8)[-3000:]
+            write()
+            raise
+        for name in a.sections:
+            fn, why_skipped = SECTIONS[name]
+            sec: dict[str, Any] = {}
+            results["sections"][name] = sec
+            left = budget_s - (time.perf_counter() - started)
+            reason = why_skipped(ctx) or (None if left > 5 else "no time left in the check's budget")
+            if reason:
+                sec.update(status="skipped", reason=reason)
+                write()
+                continue
+            t0 = time.perf_counter()
+            ctx.deadline = t0 + min(size.boxes[name], left)
+            try:
+                fn(ctx, sec)
+                sec["status"] = "done"
+            except SectionTimeout as err:  # what the section had recorded stays
+                sec.update(status="timed out", error=str(err))
+                if name == "memory":
+                    summarise_memory(sec)
+            except Exception:  # one section's failure must not lose the others
+                sec.update(status="failed", error=traceback.format_exc(limit=8)[-3000:])
+            sec["seconds"] = time.perf_counter() - t0
+            release()
+            write()
+            print(f"[{time.perf_counter() - started:5.0f}s] {name}: {sec['status']} {headline(name, sec)}", flush=True)
+    write()
+    print()
+    print(markdown(results))
+    print(f"wrote {a.out / stem}.json and .md")
+    return results
+
+
+if __name__ == "__main__":
+    main()
