@@ -484,6 +484,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=32000, help="tokenizer and model vocabulary (small: a quick smoke run)")
     p.add_argument("--budget", default="2GiB", help="memory budget of the defaults mode")
     p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     p.add_argument("--profile", action="store_true", help="torch.profiler on one timed step of each trial")
@@ -525,7 +526,7 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": {
             "layers": a.layers,
             "hidden": a.hidden,
-            "vocab": 32000,
+            "vocab": a.vocab,
             "max_length": a.max_length,
             "global_batch": GLOBAL_BATCH,
             "steps": steps,
@@ -541,7 +542,9 @@ def main(argv: list[str] | None = None) -> dict:
     results["machine"]["transformers"] = transformers.__version__
     with tempfile.TemporaryDirectory(prefix="bench-vs-hf-") as tmp_name:
         tmp = Path(tmp_name)
-        assets = make_assets(tmp, layers=a.layers, hidden=a.hidden, examples=400, max_length=a.max_length)
+        assets = make_assets(
+            tmp, layers=a.layers, hidden=a.hidden, examples=400, max_length=a.max_length, vocab=a.vocab
+        )
         config = AutoConfig.from_pretrained(assets["model_dir"])
         results["settings"]["tokenizer_vocab"] = assets["tokenizer_vocab"]
         base = base_recipe(assets, tmp / "run", max_length=a.max_length, steps=steps, seed=0, precision=precision)

@@ -227,7 +227,8 @@ def test_bench_vs_hf_runs_both_tools_on_the_same_work(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_vs_hf.py"
     out = tmp_path / "vs_hf.json"
-    args = ["--layers", "1", "--hidden", "128", "--max-length", "128", "--timed-steps", "1", "--rounds", "1"]
+    args = ["--layers", "1", "--hidden", "128", "--max-length", "128", "--vocab", "2000", "--timed-steps", "1"]
+    args += ["--rounds", "1"]
     proc = subprocess.run(
         [sys.executable, str(script), *args, "--modes", "identical", "defaults", "--output", str(out)],
         capture_output=True,
