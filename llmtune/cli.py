@@ -26,11 +26,24 @@ def _setup_logging() -> None:
     )
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for name, quiet in _QUIET.items():
+        if quiet not in logging.getLogger(name).filters:  # main() may run several times in one process
+            logging.getLogger(name).addFilter(quiet)
+
+
+def _drop(fragment: str) -> Callable[[logging.LogRecord], bool]:
+    return lambda record: fragment not in record.getMessage()
+
+
+# Third-party log lines that say nothing to a user of a normal run, each dropped by its exact wording:
+_QUIET = {
     # transformers 5 asks the authors of Phi-3/3.5's published config.json (rope `original_max_position_embeddings`
     # without `factor`) to update it; the user who plans or trains that model can do nothing about it.
-    logging.getLogger("transformers.modeling_rope_utils").addFilter(
-        lambda record: "rope_parameters['original_max_position_embeddings']" not in record.getMessage()
-    )
+    "transformers.modeling_rope_utils": _drop("rope_parameters['original_max_position_embeddings']"),
+    # Tied weights (lm_head = embed_tokens) are one tensor under two names: a checkpoint stores it once and
+    # accelerate's load_state (safetensors.torch.load_model) restores both names, as the message itself expects.
+    "accelerate.utils.other": _drop("Removed shared tensor"),
+}
 
 
 def _recipe_args(p: argparse.ArgumentParser) -> None:

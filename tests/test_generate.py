@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llmtune.cli import main
@@ -26,6 +27,7 @@ def train(recipe: Path, caplog) -> Path:
         warnings.simplefilter("always")
         assert main(["train", "--recipe", str(recipe)]) == 0
     assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     out = recipe.parent / "run"
     assert caplog.records[0].getMessage().startswith(f"llmtune run -> {out.resolve()} ")
     return out
@@ -53,8 +55,10 @@ def cli_generate(capsys, run: Path, *extra: str) -> str:
     return capsys.readouterr().out.strip()
 
 
-def test_generate_and_chat_answer_as_plain_transformers(tiny_recipe, capsys, monkeypatch, caplog):
-    run = train(tiny_recipe(), caplog)
+def test_generate_and_chat_answer_as_plain_transformers(tiny_recipe, tmp_path, capsys, monkeypatch, caplog):
+    # Tied embeddings and a checkpoint: accelerate's "Removed shared tensor" notice must not reach the user.
+    tied = write_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+    run = train(tiny_recipe(model__name_or_path=str(tied), checkpoint__every_n_steps=2), caplog)
     final = run / "final"
     expected = greedy(AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final), PROMPT)
     assert expected, "an empty answer would make the comparison meaningless"
