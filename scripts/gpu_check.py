@@ -107,7 +107,8 @@ SMOKE = "smoke"  # a small Llama for the sections that test mechanics and save c
 
 
 def model_configs(tiny: bool) -> dict[str, Any]:
-    """Random-init shapes of the real models (sizes from their published config.json), and SMOKE."""
+    """Random-init models shaped like the real ones (their published config.json, from llmtune's catalogue), and
+    SMOKE; `tiny`: toy shapes of the same families for the CPU run."""
     from transformers import LlamaConfig, Qwen2Config
 
     if tiny:
@@ -130,19 +131,22 @@ def model_configs(tiny: bool) -> dict[str, Any]:
             hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, vocab_size=32000, max_position_embeddings=8192,
         ),
-        "llama-3.2-1b": LlamaConfig(
-            hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-            num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192,
-        ),
-        "qwen2.5-0.5b": Qwen2Config(
-            hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=8192,
-        ),
-        "llama-3.1-8b-4layers": LlamaConfig(
-            hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
-            num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=8192,
-        ),
+        "llama-3.2-1b": catalogue_config("llama-3.2-1b"),
+        "qwen2.5-0.5b": catalogue_config("qwen2.5-0.5b"),
+        "llama-3.1-8b-4layers": catalogue_config("llama-3.1-8b", num_hidden_layers=4),
     }  # fmt: skip
+
+
+def catalogue_config(name: str, **changes: Any) -> Any:
+    """The published config.json shipped in llmtune's catalogue (no weights), with `changes` applied."""
+    from transformers import AutoConfig
+
+    from llmtune.catalogue import model_config_dir
+
+    config = AutoConfig.from_pretrained(model_config_dir(name))
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
 
 
 @dataclass
