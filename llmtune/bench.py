@@ -168,8 +168,8 @@ def _measure_trials(
 
 def describe_budget(text: str, device_type: str) -> tuple[int, str]:
     """Bytes a process may use, and where that figure comes from (`auto`: the planner's default budget)."""
-    from llmtune.memory.estimate import format_bytes
     from llmtune.memory.plan import resolve_budget
+    from llmtune.units import format_bytes
 
     budget = resolve_budget(text, device_type)
     if text != "auto":

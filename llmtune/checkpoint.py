@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import yaml
 from accelerate import Accelerator
 
+from llmtune.files import replace_dir
 from llmtune.recipe import flatten
 
 log = logging.getLogger(__name__)
@@ -63,25 +63,6 @@ def _publish(accelerator: Accelerator, tmp: Path, final: Path) -> None:
     if accelerator.is_main_process:
         replace_dir(tmp, final)
     accelerator.wait_for_everyone()
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Put the complete folder `tmp` in place of `final`; an older `final` goes only once `tmp` is there."""
-    _fsync_tree(tmp)
-    old = final.with_name(f".{final.name}.old")
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_tree(path: Path) -> None:
-    # The rename is only a commit point if the data it points to has reached the disk first.
-    for file in path.rglob("*"):
-        if file.is_file():
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
 
 
 def _fresh_tmp(accelerator: Accelerator, parent: Path, name: str) -> Path:

@@ -86,7 +86,6 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from llmtune.loss import resolve_loss_impl
-    from llmtune.memory.estimate import format_bytes
     from llmtune.memory.plan import (
         MemoryPlanError,
         estimate_settings,
@@ -97,6 +96,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     )
     from llmtune.model import resolve_config
     from llmtune.recipe import load_recipe
+    from llmtune.units import format_bytes
 
     if args.model is not None and (args.recipe or args.overrides or args.config):
         raise MemoryPlanError("--model plans without a recipe: leave out --recipe, --config and overrides")

@@ -267,7 +267,7 @@ def _config_dtype(config: Any) -> torch.dtype:
 
 def _write_atomically(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
     """Write to a hidden sibling, then rename; an older merge at `out` is replaced only once the new one is whole."""
-    from llmtune.checkpoint import replace_dir
+    from llmtune.files import replace_dir
 
     if out.exists() and not (out / "config.json").is_file() and any(out.iterdir()):
         raise MergeError(f"{out}: exists and is not a model folder; refusing to replace it (choose another --out)")

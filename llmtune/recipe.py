@@ -494,7 +494,7 @@ def _check_values(r: Recipe) -> list[tuple[str, str]]:
     need(r.logging.every_n_steps >= 1, "logging.every_n_steps", "must be >= 1")
     if r.memory.budget != "auto":
         try:
-            from llmtune.memory.estimate import parse_bytes
+            from llmtune.units import parse_bytes
 
             parse_bytes(r.memory.budget)
         except ValueError:

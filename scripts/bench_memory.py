@@ -29,9 +29,10 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
 
-from llmtune.memory.estimate import estimate, format_bytes
+from llmtune.memory.estimate import estimate
 from llmtune.memory.measure import PeakMemoryTracker
 from llmtune.memory.plan import MemoryPlanError, plan_micro_batch
+from llmtune.units import format_bytes
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 VOCAB = 1024

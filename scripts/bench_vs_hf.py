@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoConfig
 
-    from llmtune.memory.estimate import format_bytes, parse_bytes
+    from llmtune.units import format_bytes, parse_bytes
 
     started = time.perf_counter()
     budget = parse_bytes(a.budget)
@@ -696,7 +696,7 @@ def profile_llmtune(recipe: dict, tmp: Path) -> dict:
 
 
 def print_table(results: dict) -> None:
-    from llmtune.memory.estimate import format_bytes
+    from llmtune.units import format_bytes
 
     print()
     print(f"{'mode':10s} {'tool':8s} {'micro':>5s} {'ckpt':>5s} {'tok/s':>8s} {'peak':>10s} {'MFU':>6s}")

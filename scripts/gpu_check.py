@@ -506,8 +506,8 @@ def section_planner(ctx: Ctx, out: dict) -> None:
 def planner_budget(ctx: Ctx, base: dict, budget: int, planned: int, nxt: int) -> dict:
     from accelerate.utils import find_executable_batch_size
 
-    from llmtune.memory.estimate import format_bytes
     from llmtune.train import BatchPlan
+    from llmtune.units import format_bytes
 
     release()
     g = base["training"]["global_batch_size"]
@@ -546,8 +546,8 @@ def section_throughput(ctx: Ctx, out: dict) -> None:
     """bench_vs_hf's trials on the 1B shape (tiny: toy), bf16 where the device has it."""
     from transformers import AutoConfig
 
-    from llmtune.memory.estimate import parse_bytes
     from llmtune.model import resolve_precision
+    from llmtune.units import parse_bytes
 
     precision = resolve_precision("auto", ctx.device.type)
     model = next(m for m in ctx.models if m.startswith("llama-") and m != SMOKE)  # the 1B shape
@@ -667,7 +667,7 @@ def pct(x: float | None) -> str:
 
 
 def fmt_bytes(x: float | None) -> str:
-    from llmtune.memory.estimate import format_bytes
+    from llmtune.units import format_bytes
 
     return "-" if x is None else format_bytes(x)
 

@@ -12,10 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
 
-from llmtune.memory.estimate import LoraSpec, estimate, format_bytes, parse_bytes
+from llmtune.memory.estimate import LoraSpec, estimate
 from llmtune.memory.measure import PeakMemoryTracker
 from llmtune.memory.plan import MemoryPlanError, default_budget, plan_micro_batch
 from llmtune.optim import BF16AdamW
+from llmtune.units import format_bytes, parse_bytes
 
 TOL = 0.02
 VOCAB = 512

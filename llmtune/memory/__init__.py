@@ -7,9 +7,10 @@
   global batch; `default_budget(device)` for `memory.budget: auto`.
 """
 
-from llmtune.memory.estimate import LoraSpec, MemoryEstimate, estimate, format_bytes, parse_bytes
+from llmtune.memory.estimate import LoraSpec, MemoryEstimate, estimate
 from llmtune.memory.measure import PeakMemoryTracker
 from llmtune.memory.plan import BatchPlan, MemoryPlanError, default_budget, plan_micro_batch
+from llmtune.units import format_bytes, parse_bytes
 
 __all__ = [
     "BatchPlan",

@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from llmtune.memory.estimate import MemoryEstimate, estimate, format_bytes
+from llmtune.memory.estimate import MemoryEstimate, estimate
 from llmtune.recipe import Recipe
+from llmtune.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +211,7 @@ def planning_target(
     the CPU's free RAM). `device` ("cuda"/"cpu", `--device`) names the kind of device when it is not this
     machine's."""
     from llmtune.catalogue import gpu_memory
-    from llmtune.memory.estimate import parse_bytes
+    from llmtune.units import parse_bytes
 
     if device_memory:
         try:
@@ -302,7 +303,7 @@ def estimate_settings(recipe: Recipe, *, loss: str, device: str, sharding: str =
 
 def resolve_budget(text: str, device: str | torch.device) -> int:
     """`memory.budget` in bytes: a size like 20GiB, or `auto` (default_budget of the device)."""
-    from llmtune.memory.estimate import parse_bytes
+    from llmtune.units import parse_bytes
 
     return default_budget(device) if text == "auto" else parse_bytes(text)
 
