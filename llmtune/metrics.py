@@ -147,26 +147,27 @@ def measure_peak_flops(device: torch.device, precision: str, max_size: int = 204
     under-measured by up to 3x on a shared CPU, hence the best of several.
     """
     dtype = {"bf16": torch.bfloat16, "bf16-true": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-
-    def best_seconds(size: int, calls: int) -> float:
-        a = torch.randn(size, size, device=device, dtype=dtype)
-        b = torch.randn(size, size, device=device, dtype=dtype)
-        best = float("inf")
-        for i in range(calls + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            a @ b
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if i >= 1:  # the first call pays for thread-pool start-up and cache warm-up
-                best = min(best, time.perf_counter() - t0)
-        return best
-
     size = 256
-    while size < max_size and best_seconds(size, 1) * 8 < MAX_MATMUL_S:
+    while size < max_size and 2 * size**3 / matmul_flops(device, dtype, size, 1) * 8 < MAX_MATMUL_S:
         size *= 2
-    return 2 * size**3 / best_seconds(size, repeats)
+    return matmul_flops(device, dtype, size, repeats)
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, size: int, calls: int) -> float:
+    """FLOP/s of the fastest of `calls` size^3 matmuls, after one untimed call (thread-pool start-up, caches)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    best = float("inf")
+    for i in range(calls + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 1:
+            best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
 
 
 class MetricsLogger:

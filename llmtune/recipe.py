@@ -91,8 +91,8 @@ class TrainingConfig:
     precision: Precision = doc(
         "bf16 / fp16: mixed precision (fp32 master weights, autocast; fp16 adds dynamic loss scaling);"
         " bf16-true: weights in bf16, no autocast, updates kept by stochastic rounding (llmtune.optim); fp32;"
-        " auto: bf16 where supported, else fp16 on CUDA,"
-        " else fp32.",
+        " auto: bf16 where the device runs it natively (CUDA, CPUs with AVX512-BF16/AMX), else fp16 on CUDA,"
+        " else fp32; the setup log says which and why.",
         "auto",
     )
     gradient_checkpointing: bool = doc(

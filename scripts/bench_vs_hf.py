@@ -400,27 +400,17 @@ def profile_table(prof, top: int = 12) -> dict:
 def check_peak_flops(precision: str, repeats: int = 3) -> dict:
     """llmtune's `measure_peak_flops` next to larger matmuls in the trials' dtype, alternating (smaller
     ones where bf16 is emulated: a 4096^3 emulated bf16 matmul takes minutes)."""
-    from llmtune.metrics import measure_peak_flops
+    from llmtune.metrics import matmul_flops, measure_peak_flops
     from llmtune.model import cpu_supports_bf16
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     small, large = (2048, 4096) if dtype == torch.float32 or cpu_supports_bf16() else (256, 512)
 
-    def best(size: int, reps: int = 5) -> float:
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-        a @ b
-        t = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            a @ b
-            t = min(t, time.perf_counter() - t0)
-        return 2 * size**3 / t
-
     rows: dict[str, list[float]] = {"llmtune_measure_peak_flops": [], "matmul_small": [], "matmul_large": []}
     for _ in range(repeats):
         rows["llmtune_measure_peak_flops"].append(measure_peak_flops(torch.device("cpu"), precision))
-        rows["matmul_small"].append(best(small))
-        rows["matmul_large"].append(best(large, reps=3))
+        rows["matmul_small"].append(matmul_flops(torch.device("cpu"), dtype, small, 5))
+        rows["matmul_large"].append(matmul_flops(torch.device("cpu"), dtype, large, 3))
     return {k: max(v) for k, v in rows.items()} | {"all": rows, "sizes": [small, large], "dtype": str(dtype)}
 
 
