@@ -3,11 +3,11 @@
 With bf16 weights (`training.precision: bf16-true` without adapters) a plain AdamW rounds each updated
 weight to the nearest bf16, which has 8 significant bits: an update smaller than half a bf16 step of
 the weight (|update| < ~0.2% of |w|, the usual case at fine-tuning learning rates) is rounded away:
-most weights stop moving (benchmarks/results/measurements.md). `BF16AdamW` computes the update in fp32 and writes weights and moments back with stochastic
-rounding: rounded up with probability equal to the remainder, so every update survives in expectation
-and nothing is lost on average. It keeps the states in bf16 (the memory of bf16-true stays 8 bytes per
-parameter before activations) and needs no extra package (torchao's equivalent is private API and
-compiles each step).
+most weights stop moving (benchmarks/results/measurements.md). `BF16AdamW` computes the update in fp32
+and writes weights and moments back with stochastic rounding: rounded up with probability equal to the
+remainder, so every update survives in expectation and nothing is lost on average. It keeps the states in
+bf16 (the memory of bf16-true stays 8 bytes per parameter before activations) and needs no extra package
+(torchao's equivalent is private API and compiles each step).
 """
 
 from __future__ import annotations
