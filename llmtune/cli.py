@@ -112,8 +112,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         recipe_budget=recipe.memory.budget if recipe else "auto",
     )
     if recipe is None:
+        config = resolve_config(args.model)
         recipe = recipe_for_model(
-            args.model, method=args.method or "lora", seq_len=args.seq_len or 2048, device=target.device
+            args.model, config, method=args.method or "lora", seq_len=args.seq_len or 2048, device=target.device
         )
     model = recipe.model
     config = resolve_config(args.config or model.name_or_path, revision=model.revision)
@@ -134,8 +135,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         )
     )
     print(f"budget: {target.why}")
-    if recipe.peft.method == "qlora":
-        print("QLoRA: the 4-bit base is not modelled; this is LoRA's figure on a bf16 base (an upper bound)")
     if args.plot:
         print(f"plot: {args.plot}")
     return 0

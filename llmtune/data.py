@@ -55,6 +55,7 @@ from typing import Any
 import datasets
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from llmtune.recipe import DataConfig, SourceConfig
@@ -122,6 +123,8 @@ class DataStats:
     longest: int = 0  # longest example, in tokens
     mean_length: float = 0.0
     packing_fill: float | None = None  # tokens / (rows * max_length) when packed
+    # Most trained tokens in one row, per max_length: bounds the tokens the chunked loss selects (memory plan).
+    max_trained_fraction: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -223,7 +226,17 @@ def _finish(
         data = pack(data, cfg.max_length, seed=seed)
         stats.packing_fill = stats.tokens / max(1, len(data) * cfg.max_length)
     stats.rows = len(data)
+    stats.max_trained_fraction = _max_trained(data) / cfg.max_length
     return data.select_columns(_final_columns(cfg.packing)), stats
+
+
+def _max_trained(data: datasets.Dataset) -> int:
+    """The most labels other than -100 in any one row (packed or not)."""
+    labels = data.data.column("labels").combine_chunks()
+    if len(labels) == 0:
+        return 0
+    trained = np.asarray(labels.flatten()) != -100
+    return int(np.bincount(np.asarray(pc.list_parent_indices(labels)), weights=trained, minlength=1).max())
 
 
 def _final_columns(packed: bool) -> list[str]:

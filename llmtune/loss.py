@@ -287,10 +287,16 @@ def chunked_cross_entropy(
         )
 
 
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF base model (decoder) of a PreTrainedModel or of a peft model around one."""
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return hf_model.get_decoder()
+
+
 def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The HF base model (decoder) and lm_head of a PreTrainedModel or a peft model around one."""
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = hf_model.get_decoder()
+    decoder = decoder_of(model)
     head = hf_model.get_output_embeddings()
     if decoder is None or head is None or decoder is hf_model:
         raise ValueError(f"{type(hf_model).__name__} has no decoder / output embeddings for the chunked loss")
@@ -318,6 +324,7 @@ class CausalLMWithLoss(torch.nn.Module):
         self.impl = impl
         self.chunk_size = chunk_size or default_chunk_size(_text_config(model.config).vocab_size)
         if impl == "chunked":
+            _decoder_and_head(model)  # refuse a model the chunked loss cannot run now, not at the first step
             self.logit_scale, self.softcap = _logit_transform(model.config)
 
     def forward(

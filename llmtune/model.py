@@ -144,11 +144,30 @@ def _why(name: str, err: BaseException) -> str:
     return text.strip().splitlines()[0] if text.strip() else type(err).__name__
 
 
+def check_attn_implementation(config: PretrainedConfig, attn: str, *, installed: bool = True) -> None:
+    """Refuse, in one line, an attention implementation the model's class cannot run (Gemma-2 has no
+    SDPA path: it needs logit soft-capping) or, with `installed`, that this machine lacks the package for.
+    Planning for another machine passes installed=False."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    flags = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}
+    if cls is not None and attn in flags and not getattr(cls, flags[attn], True):
+        others = [a for a, f in flags.items() if a != attn and getattr(cls, f, False)]
+        hint = " or ".join(["eager", *others])
+        raise SetupError(f"model.attn_implementation={attn}: {cls.__name__} does not support it; use {hint}")
+    if attn == "flash_attention_2" and installed and importlib.util.find_spec("flash_attn") is None:
+        raise SetupError(
+            "model.attn_implementation=flash_attention_2 needs the flash-attn package on a CUDA GPU; use sdpa"
+        )
+
+
 def load_model(
     recipe: Recipe, precision: str, config: PretrainedConfig, device: torch.device | None = None
 ) -> PreTrainedModel:
     """Load (or randomly initialise, on `device`) the model, enable checkpointing, wrap with adapters."""
     cfg = recipe.model
+    check_attn_implementation(config, cfg.attn_implementation)
     # Mixed precision keeps fp32 master weights; autocast makes the bf16/fp16 copies on the fly.
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
     kwargs = dict(attn_implementation=cfg.attn_implementation, dtype=dtype, trust_remote_code=cfg.trust_remote_code)

@@ -79,7 +79,9 @@ class Run:
 # ---------------------------------------------------------------- batch plan
 
 
-def make_plan(recipe: Recipe, config: Any, precision: str, loss_impl: str, acc: Accelerator) -> BatchPlan:
+def make_plan(
+    recipe: Recipe, config: Any, precision: str, loss_impl: str, acc: Accelerator, trained_fraction: float = 1.0
+) -> BatchPlan:
     """The recipe's micro-batch, or (`auto`) the largest the memory estimate fits into the budget."""
     t, n = recipe.training, acc.num_processes
     per_process, rest = divmod(t.global_batch_size, n)
@@ -96,7 +98,14 @@ def make_plan(recipe: Recipe, config: Any, precision: str, loss_impl: str, acc: 
     # Free memory can differ between devices; every process must train the same micro-batch.
     budget = int(acc.gather(torch.tensor([budget], device=acc.device)).min())
     device = "cuda" if acc.device.type == "cuda" else "cpu"
-    settings = estimate_settings(recipe, loss=loss_impl, device=device, sharding=sharding_of(acc), precision=precision)
+    settings = estimate_settings(
+        recipe,
+        loss=loss_impl,
+        device=device,
+        sharding=sharding_of(acc),
+        precision=precision,
+        trained_fraction=trained_fraction,
+    )
     return plan_for_budget(recipe, config, settings, budget_bytes=budget, num_processes=n)
 
 
@@ -176,7 +185,7 @@ def build(recipe: Recipe) -> Run:
     config = load_config(recipe.model)
     model = load_model(recipe, precision, config, accelerator.device)
     loss_impl = resolve_loss_impl(recipe.training.loss, config)
-    plan = make_plan(recipe, config, precision, loss_impl, accelerator)
+    plan = make_plan(recipe, config, precision, loss_impl, accelerator, data.stats.max_trained_fraction)
     wrapped = CausalLMWithLoss(model, loss_impl)
     optimizer = make_optimizer(wrapped, recipe, accelerator.device)
     scheduler = make_scheduler(optimizer, recipe)

@@ -4,9 +4,11 @@
     python scripts/bench_memory.py --quick    # a subset (minutes)
     python scripts/bench_memory.py --picker   # picker benchmark -> picker_cpu.json
 
-Accuracy: for each (architecture, max length, micro-batch, precision, checkpointing, attention)
-a tiny model built from a config runs two real AdamW steps under PeakMemoryTracker; the steady
-state (2nd step) peak is compared with `estimate(..., device="cpu")`.
+Accuracy: for each case (architecture x packed or padded rows x HF or chunked loss x LoRA x
+checkpointing x precision) a tiny model, built and trained as `llmtune train` builds and trains it
+(load_model, CausalLMWithLoss, make_optimizer, real collated batches), runs two real steps; the 2nd
+(steady-state) step's peak, counted by PyTorch's MemTracker -- which shares no code with the
+estimator -- is compared with `estimate(...)` given the planner's settings for the same recipe.
 
 Picker: for several budgets, the micro-batch `plan_micro_batch` picks vs the true largest one
 (found by measuring every allowed micro-batch), and the trials/time accelerate's
@@ -22,16 +24,33 @@ import json
 import platform
 import statistics
 import time
+import weakref
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+import torch.utils._pytree as pytree
 import transformers
-from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import (
+    Gemma2Config,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
-from llmtune.memory.estimate import estimate
+from llmtune.data import collate
+from llmtune.loss import CausalLMWithLoss
+from llmtune.memory.estimate import MemoryEstimate, estimate
 from llmtune.memory.measure import PeakMemoryTracker
-from llmtune.memory.plan import MemoryPlanError, plan_micro_batch
+from llmtune.memory.plan import MemoryPlanError, estimate_settings, plan_micro_batch
+from llmtune.model import load_model
+from llmtune.optim import make_optimizer
+from llmtune.recipe import DataConfig, ModelConfig, PeftConfig, Recipe, TrainingConfig
 from llmtune.units import format_bytes
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
@@ -39,98 +58,200 @@ VOCAB = 1024
 
 
 def configs() -> dict[str, transformers.PretrainedConfig]:
-    """Small models of four families: GQA + SwiGLU + RMSNorm (Llama), tied embeddings + qkv bias
-    (Qwen2), learned positions + Conv1D + GELU + dropout (GPT-2), parallel residual + partial
-    rotary (GPT-NeoX)."""
+    """Small models of seven families: GQA + SwiGLU + RMSNorm (Llama), tied embeddings + qkv bias
+    (Qwen2), learned positions + Conv1D + GELU + dropout (GPT-2), parallel residual + partial rotary
+    (GPT-NeoX), sliding-window attention (Mistral, window shorter than the rows), q/k norms (Qwen3),
+    soft-capping + alternating sliding/global layers + eager-only attention (Gemma-2)."""
     common = dict(vocab_size=VOCAB, max_position_embeddings=1024)
+    gqa = dict(
+        hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
     return {
-        "llama": LlamaConfig(
-            hidden_size=128,
-            intermediate_size=344,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            **common,
-        ),
-        "qwen2": Qwen2Config(
-            hidden_size=128,
-            intermediate_size=344,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-            **common,
-        ),
+        "llama": LlamaConfig(**gqa, **common),
+        "qwen2": Qwen2Config(**gqa, tie_word_embeddings=True, **common),
         "gpt2": GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=1024),
         "gptneox": GPTNeoXConfig(
             hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, **common
         ),
+        "mistral": MistralConfig(**gqa, sliding_window=64, **common),
+        "qwen3": Qwen3Config(**gqa, head_dim=32, **common),
+        "gemma2": Gemma2Config(**gqa, head_dim=32, sliding_window=64, **common),
     }
 
 
-def build(cfg, precision: str, checkpointing: bool, attn: str):
+@dataclass(frozen=True)
+class Case:
+    arch: str
+    layout: str  # packed | padded
+    loss: str  # hf | chunked
+    lora: bool
+    checkpointing: bool
+    precision: str  # fp32 | bf16
+    micro_batch: int = 4
+    seq_len: int = 256
+
+    def recipe(self) -> Recipe:
+        attn = "eager" if self.arch == "gemma2" else "sdpa"
+        return Recipe(
+            model=ModelConfig(name_or_path=self.arch, random_init=True, attn_implementation=attn),
+            data=DataConfig(max_length=self.seq_len, packing=self.layout == "packed"),
+            training=TrainingConfig(
+                precision=self.precision,
+                global_batch_size=self.micro_batch,
+                micro_batch_size=self.micro_batch,
+                gradient_checkpointing=self.checkpointing,
+                loss=self.loss,
+            ),
+            peft=PeftConfig(method="lora" if self.lora else "none", rank=8, alpha=16.0),
+        )
+
+
+def cases(quick: bool) -> list[Case]:
+    """Per architecture: every layout x loss x LoRA in fp32, then checkpointing and bf16 on two of them."""
+    out = []
+    for arch in configs():
+        for layout, loss, lora in itertools.product(["packed", "padded"], ["hf", "chunked"], [False, True]):
+            out.append(Case(arch, layout, loss, lora, checkpointing=False, precision="fp32"))
+        out.append(Case(arch, "packed", "chunked", True, checkpointing=True, precision="fp32"))
+        out.append(Case(arch, "packed", "hf", False, checkpointing=True, precision="fp32"))
+        out.append(Case(arch, "packed", "hf", False, checkpointing=False, precision="bf16"))
+        out.append(Case(arch, "padded", "chunked", True, checkpointing=True, precision="bf16"))
+    return out[::4] if quick else out
+
+
+def batch_of(case: Case, seed: int) -> dict[str, torch.Tensor]:
+    """A real micro-batch from llmtune.data.collate: packed rows of 2-5 examples filling the row, or padded
+    rows of similar lengths (as group_by_length makes them; the longest full, the others 8 tokens shorter
+    each) -- what the training loop feeds the model in its largest micro-batch, which the estimate is for.
+    A quarter of each example (the prompt) is not trained."""
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for row in range(case.micro_batch):
+        if case.layout == "packed":
+            count = int(torch.randint(1, 5, (1,), generator=g))
+            cuts = sorted((torch.randperm(case.seq_len - 2, generator=g)[:count] + 1).tolist())
+            bounds = [0, *cuts, case.seq_len]
+            positions = [p for a, b in itertools.pairwise(bounds) for p in range(b - a)]
+            n = case.seq_len
+        else:
+            n = case.seq_len - 8 * row
+            positions = list(range(n))
+        ids = torch.randint(3, VOCAB, (n,), generator=g).tolist()
+        labels = [-100] * (n // 4) + ids[n // 4 :]  # prompt tokens untrained, as in a chat example
+        examples.append({"input_ids": ids, "labels": labels, "position_ids": positions})
+    return collate(examples, pad_token_id=0, packed=case.layout == "packed")
+
+
+def build(case: Case, cfg: transformers.PretrainedConfig):
+    """The model, loss module and optimizer as the training loop builds them for `case`."""
+    recipe = case.recipe()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
-    model.config.use_cache = False
-    if precision == "bf16-true":
-        model.to(torch.bfloat16)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = load_model(recipe, case.precision, cfg)
     model.train()
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return CausalLMWithLoss(model, case.loss), model, make_optimizer(model, recipe, torch.device("cpu"))
 
 
-def train_step(model, opt, batch: torch.Tensor, precision: str, accum: int = 1) -> None:
-    """One optimizer step over `accum` micro-batches; the loop keeps only the loss."""
-    for _ in range(accum):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = model(input_ids=batch, labels=batch).loss
+def train_step(case: Case, step_module, opt, batches: list[dict[str, torch.Tensor]]) -> None:
+    """One optimizer step over the micro-batches (gradient accumulation); the loop keeps only the loss."""
+    for batch in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16"):
+            loss = step_module(**batch)
         loss.backward()
         del loss
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
-def measure(cfg, *, mb: int, seq: int, precision: str, ckpt: bool, attn: str, accum: int = 1) -> int:
-    model, opt = build(cfg, precision, ckpt, attn)
-    batch = torch.randint(0, VOCAB, (mb, seq))
-    with PeakMemoryTracker("cpu", baseline=[model, opt]) as t:
-        train_step(model, opt, batch, precision, accum)  # AdamW states appear here
-        t.reset_peak()
-        train_step(model, opt, batch, precision, accum)
-    return t.peak_bytes
+class StorageHighWater(TorchDispatchMode):
+    """Peak bytes of live tensor storages, written for this benchmark and sharing no code with the
+    estimator or llmtune.memory.measure: every op's outputs are followed by a weak reference to their
+    storage until it is freed. Cross-checked against PyTorch's MemTracker (`mem_tracker_bytes`), which
+    cannot run on models with frozen parameters (it hooks every parameter's gradient)."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        super().__init__()
+        self.live: dict[int, weakref.ref] = {}
+        self.now = self.peak = 0
+        for t in tensors:
+            self._follow(t)
+
+    def _free(self, key: int, nbytes: int) -> None:
+        if self.live.pop(key, None) is not None:
+            self.now -= nbytes
+
+    def _follow(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.live or st.nbytes() == 0:
+            return
+        n = st.nbytes()
+        self.live[key] = weakref.ref(st, lambda _ref, key=key, n=n: self._free(key, n))
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self._follow(t)
+        return out
+
+
+def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    states = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return [*model.parameters(), *model.buffers(), *states]
+
+
+def measure(case: Case, cfg: transformers.PretrainedConfig, accum: int = 1) -> tuple[int, int | None]:
+    """Peak bytes of the 2nd real training step (AdamW states exist from the 1st), by StorageHighWater and,
+    without frozen parameters, by PyTorch's MemTracker: (high-water bytes, MemTracker bytes or None)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    step_module, model, opt = build(case, cfg)
+    train_step(case, step_module, opt, [batch_of(case, k) for k in range(accum)])
+    batches = [batch_of(case, accum + k) for k in range(accum)]
+    inputs = [v for b in batches for v in b.values()]
+    with StorageHighWater(*state_tensors(model, opt), *inputs) as high_water:
+        train_step(case, step_module, opt, batches)
+    if not all(p.requires_grad for p in model.parameters()):
+        return high_water.peak, None
+    tracker = MemTracker()
+    tracker.track_external(model, opt, *inputs)
+    with tracker:
+        train_step(case, step_module, opt, batches)
+    return high_water.peak, int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+
+def trained_fraction(case: Case) -> float:
+    """What training gives the planner (DataStats.max_trained_fraction): the most trained tokens in a row
+    of the data, per row length -- here, over every batch the measurement saw."""
+    rows = [row for seed in range(2) for row in batch_of(case, seed)["labels"]]
+    return max(int((row != -100).sum()) for row in rows) / case.seq_len
+
+
+def predict(case: Case, cfg: transformers.PretrainedConfig) -> MemoryEstimate:
+    settings = estimate_settings(
+        case.recipe(), loss=case.loss, device="cpu", precision=case.precision, trained_fraction=trained_fraction(case)
+    )
+    return estimate(cfg, micro_batch_size=case.micro_batch, seq_len=case.seq_len, **settings)
 
 
 def accuracy(quick: bool) -> dict:
     cfgs = configs()
-    archs = list(cfgs)
-    seqs, mbs = ([128, 1024], [1, 8]) if quick else ([128, 512, 1024], [1, 2, 4, 8])
     rows = []
-    matrix = list(itertools.product(archs, seqs, mbs, ["fp32", "bf16"], [False, True], ["sdpa", "eager"]))
-    for i, (arch, seq, mb, precision, ckpt, attn) in enumerate(matrix):
+    matrix = cases(quick)
+    for i, case in enumerate(matrix):
         t0 = time.perf_counter()
-        meas = measure(cfgs[arch], mb=mb, seq=seq, precision=precision, ckpt=ckpt, attn=attn)
+        meas, by_mem_tracker = measure(case, cfgs[case.arch])
         t1 = time.perf_counter()
-        est = estimate(
-            cfgs[arch],
-            micro_batch_size=mb,
-            seq_len=seq,
-            precision=precision,
-            gradient_checkpointing=ckpt,
-            attn_implementation=attn,
-            device="cpu",
-        )
+        est = predict(case, cfgs[case.arch])
         t2 = time.perf_counter()
         err = est.peak_bytes / meas - 1
         rows.append(
-            dict(
-                arch=arch,
-                seq_len=seq,
-                micro_batch=mb,
-                precision=precision,
-                checkpointing=ckpt,
-                attn=attn,
+            asdict(case)
+            | dict(
                 measured_bytes=meas,
+                mem_tracker_bytes=by_mem_tracker,
                 predicted_bytes=est.peak_bytes,
                 rel_error=err,
                 peak_phase=est.peak_phase,
@@ -139,9 +260,9 @@ def accuracy(quick: bool) -> dict:
             )
         )
         print(
-            f"[{i + 1:3d}/{len(matrix)}] {arch:8s} s={seq:5d} b={mb} {precision:5s} ckpt={int(ckpt)} {attn:5s} "
-            f"measured {format_bytes(meas):>11s} predicted {format_bytes(est.peak_bytes):>11s} {err:+7.2%} "
-            f"({est.peak_phase}, est {t2 - t1:.2f}s)",
+            f"[{i + 1:3d}/{len(matrix)}] {case.arch:8s} {case.layout:6s} {case.loss:7s} lora={int(case.lora)}"
+            f" ckpt={int(case.checkpointing)} {case.precision:5s} measured {format_bytes(meas):>11s}"
+            f" predicted {format_bytes(est.peak_bytes):>11s} {err:+7.2%} ({est.peak_phase})",
             flush=True,
         )
     errs = [r["rel_error"] for r in rows]
@@ -165,29 +286,22 @@ def picker() -> dict:
     from accelerate.utils import find_executable_batch_size
 
     cfg = configs()["llama"]
-    gbs, seq, precision, ckpt, attn = 32, 256, "fp32", False, "sdpa"
+    gbs, seq = 32, 256
     divisors = [m for m in range(1, gbs + 1) if gbs % m == 0]
-    data = torch.randint(0, VOCAB, (gbs, seq))
+    case_at = {m: Case("llama", "packed", "hf", False, False, "fp32", micro_batch=m, seq_len=seq) for m in divisors}
 
     truth_peaks = {}
     for m in divisors:
-        truth_peaks[m] = measure(cfg, mb=m, seq=seq, precision=precision, ckpt=ckpt, attn=attn, accum=gbs // m)
+        truth_peaks[m] = measure(case_at[m], cfg, accum=gbs // m)[0]
         print(f"measured peak at micro-batch {m:2d} (accum {gbs // m:2d}): {format_bytes(truth_peaks[m])}", flush=True)
 
     def run_training(m: int, budget: int, steps: int = 2) -> None:
         """What a trial costs: build, then `steps` optimizer steps under the enforced budget
         (2, because AdamW's states appear only at the first step)."""
-        model, opt = build(cfg, precision, ckpt, attn)
+        step_module, model, opt = build(case_at[m], cfg)
         with PeakMemoryTracker("cpu", baseline=[model, opt], limit_bytes=budget):
-            for _ in range(steps):
-                for k in range(gbs // m):
-                    batch = data[k * m : (k + 1) * m]
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-                        loss = model(input_ids=batch, labels=batch).loss
-                    loss.backward()
-                    del loss
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            for s in range(steps):
+                train_step(case_at[m], step_module, opt, [batch_of(case_at[m], s * gbs + k) for k in range(gbs // m)])
 
     # Budgets half-way between consecutive measured peaks, plus one under micro-batch 1.
     ms = sorted(truth_peaks)
@@ -208,10 +322,7 @@ def picker() -> dict:
                 num_processes=1,
                 budget_bytes=budget,
                 seq_len=seq,
-                precision=precision,
-                gradient_checkpointing=ckpt,
-                attn_implementation=attn,
-                device="cpu",
+                **estimate_settings(case_at[1].recipe(), loss="hf", device="cpu", precision="fp32"),
             )
             planned = plan.micro_batch_size
         except MemoryPlanError:
@@ -262,9 +373,7 @@ def picker() -> dict:
         config=cfg.to_dict(),
         global_batch_size=gbs,
         seq_len=seq,
-        precision=precision,
-        gradient_checkpointing=ckpt,
-        attn=attn,
+        case=asdict(case_at[1]) | {"micro_batch": "varies"},
         measured_peaks={str(k): v for k, v in truth_peaks.items()},
     )
     return dict(setup=setup, rows=rows)

@@ -80,3 +80,26 @@ def test_estimate_quickstart_recipe_on_a_machine_without_gpu(capsys):
     """It used to stop with "no GPU here to read free memory from"."""
     assert main(["estimate", "--recipe", str(ROOT / "recipes" / "quickstart.yaml")]) == 0
     assert "this machine's CPU" in capsys.readouterr().out
+
+
+def test_a_fixed_micro_batch_is_estimated_as_given_with_whether_it_fits(capsys):
+    """`--device-memory` used to replace the recipe's micro-batch with the largest that fits."""
+    recipe = str(ROOT / "recipes" / "quickstart.yaml")
+    args = ["estimate", "--recipe", recipe, "training.micro_batch_size=1", "--device", "cpu"]
+    assert main([*args, "--device-memory", "24GiB", "--json"]) == 0
+    roomy = json.loads(capsys.readouterr().out)
+    assert roomy["micro_batch_size"] == 1 and roomy["source"] == "recipe" and roomy["fits"] is True
+    assert main([*args, "--device-memory", "1MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 1 x" in out and "DOES NOT FIT" in out
+
+
+def test_a_model_without_sdpa_is_planned_with_eager_attention(tmp_path, capsys):
+    from transformers import Gemma2Config
+
+    Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=512,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    assert main(["estimate", "--model", str(tmp_path), "--gpu", "l4", "--seq-len", "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["estimate"]["settings"]["attn_implementation"] == "eager"

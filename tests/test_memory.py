@@ -1,9 +1,9 @@
 """The memory estimator against real CPU training steps, the planner, and the tracker's limit.
 
-Tolerance: the estimate traces the same kernels a real CPU step runs, so on CPU it is exact to
-the byte but for what the loop keeps that the estimate does not model (a separate labels tensor
-or not: a few KiB here). TOL = 2% leaves room for such bookkeeping while still catching any
-modelling error worth the name (a missing autocast copy is ~10%, a missing fp32 logits copy more).
+Tolerance: the estimate traces the same kernels a real CPU step runs, on a batch laid out as the
+loop's (packed by default), so on CPU it is exact to the byte. TOL = 1% (the issue's median target)
+catches any modelling error worth the name: a missing autocast copy is ~10%, the packed rows' block
+mask and repeated K/V of a GQA model ~6% (tests/test_memory.py once passed with both left out).
 """
 
 from __future__ import annotations
@@ -12,13 +12,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
 
+from llmtune.data import collate
+from llmtune.loss import CausalLMWithLoss
 from llmtune.memory.estimate import LoraSpec, estimate
 from llmtune.memory.measure import PeakMemoryTracker
 from llmtune.memory.plan import MemoryPlanError, default_budget, plan_micro_batch
 from llmtune.optim import BF16AdamW
 from llmtune.units import format_bytes, parse_bytes
 
-TOL = 0.02
+TOL = 0.01
 VOCAB = 512
 
 
@@ -52,6 +54,21 @@ def tiny_config(arch: str, layers: int = 2):
     raise ValueError(arch)
 
 
+def real_batch(batch: int, seq_len: int, layout: str) -> dict[str, torch.Tensor]:
+    """A micro-batch as llmtune.data.collate makes it, every token trained: packed rows of two examples
+    each (position ids restart), or padded rows (the last one 8 tokens short, so there is a padding mask)."""
+    g = torch.Generator().manual_seed(0)
+    if layout == "packed":
+        lengths = [[seq_len // 2 - 3 * i, seq_len - seq_len // 2 + 3 * i] for i in range(batch)]
+        rows = [{"position_ids": [p for n in ns for p in range(n)]} for ns in lengths]
+    else:
+        rows = [{"position_ids": list(range(seq_len - (8 if i == batch - 1 else 0)))} for i in range(batch)]
+    for r in rows:
+        r["input_ids"] = torch.randint(1, VOCAB, (len(r["position_ids"]),), generator=g).tolist()
+        r["labels"] = r["input_ids"]
+    return collate(rows, pad_token_id=0, packed=layout == "packed")
+
+
 def measured_peak(
     config,
     *,
@@ -65,6 +82,7 @@ def measured_peak(
     accum: int = 1,
     optimizer: str = "adamw",
     device: str = "cpu",
+    layout: str = "packed",
 ) -> int:
     """Steady-state peak of real training steps: the peak of the 2nd optimizer step's window."""
     torch.manual_seed(0)
@@ -84,17 +102,13 @@ def measured_peak(
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = BF16AdamW(trainable, lr=1e-3) if optimizer == "adamw_bf16" else torch.optim.AdamW(trainable, lr=1e-3)
-    x = torch.randint(1, VOCAB, (batch, seq_len), device=device)
+    inputs = {k: v.to(device) for k, v in real_batch(batch, seq_len, layout).items()}
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
+    step_module = CausalLMWithLoss(model, impl="chunked" if chunked else "hf", chunk_size=64)
 
     def micro_step() -> None:
         with autocast:
-            if chunked:
-                from llmtune.loss import CausalLMWithLoss
-
-                loss = CausalLMWithLoss(model, impl="chunked", chunk_size=64)(input_ids=x, labels=x)
-            else:
-                loss = model(input_ids=x, labels=x).loss
+            loss = step_module(**inputs)
         loss.backward()
 
     def step() -> None:
@@ -138,8 +152,10 @@ def test_estimate_matches_measured_peak(arch: str, precision: str, checkpointing
         dict(precision="bf16", checkpointing=True, lora=LoraSpec(rank=8)),
         dict(precision="fp32", checkpointing=False, chunked=True),
         dict(precision="fp32", checkpointing=False, accum=2),
+        dict(precision="fp32", checkpointing=False, layout="padded"),
+        dict(precision="fp32", checkpointing=True, layout="padded", chunked=True),
     ],
-    ids=["eager", "bf16-true", "bf16-true-adamw-bf16", "lora", "chunked-loss", "grad-accum"],
+    ids=["eager", "bf16-true", "bf16-true-adamw-bf16", "lora", "chunked-loss", "grad-accum", "padded", "padded-ckpt"],
 )
 def test_estimate_matches_measured_peak_options(kw: dict) -> None:
     cfg = tiny_config("llama")
@@ -156,6 +172,7 @@ def test_estimate_matches_measured_peak_options(kw: dict) -> None:
         chunk_size=64,
         grad_accum_steps=kw.get("accum", 1),
         optimizer=kw.get("optimizer", "adamw"),
+        layout=kw.get("layout", "packed"),
     )
     assert_close(pred, meas)
 
@@ -280,3 +297,123 @@ def test_tracker_limit_raises_out_of_memory() -> None:
     with PeakMemoryTracker("cpu", baseline=[model], limit_bytes=1024**3) as t:
         model(input_ids=x, labels=x).loss.backward()
     assert t.peak_bytes > 4 * 1024**2
+
+
+# ---------------------------------------------------------------- what the estimate models for settings that
+# cannot run here (QLoRA, 8-bit AdamW and flash-attention-2 need CUDA packages) and what it refuses
+
+
+def test_qlora_base_weights_are_four_bit_with_their_quantisation_state() -> None:
+    cfg = tiny_config("llama")
+    kw = dict(micro_batch_size=2, seq_len=64, precision="bf16", gradient_checkpointing=True, device="cuda")
+    lora = estimate(cfg, lora=LoraSpec(rank=8), **kw).totals
+    qlora = estimate(cfg, lora=LoraSpec(rank=8, method="qlora"), **kw).totals
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    linear = [m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    unquantised = sum(p.numel() for p in model.parameters()) - sum(linear) + sum(b.numel() for b in model.buffers())
+
+    def nf4_bytes(n: int) -> int:  # packed pairs + uint8 absmax per 64 + fp32 absmax per 256 blocks + code table
+        blocks = -(-n // 64)
+        return (n + 1) // 2 + blocks + 4 * -(-blocks // 256) + 4 * 256
+
+    adapters = lora["trainable_parameters"] * 4  # fp32 adapters in both
+    assert qlora["weights"] == 4 * unquantised + sum(nf4_bytes(n) for n in linear) + adapters
+    assert qlora["parameters"] == lora["parameters"]
+
+
+def test_adamw_8bit_keeps_two_bytes_per_parameter_whatever_the_weight_dtype() -> None:
+    cfg = tiny_config("llama")
+    est = estimate(
+        cfg, micro_batch_size=2, seq_len=64, precision="bf16-true", gradient_checkpointing=True,
+        optimizer="adamw_8bit", device="cuda",
+    )  # fmt: skip
+    with torch.device("meta"):
+        sizes = [p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters()]
+    # uint8 exp_avg and exp_avg_sq with an fp32 absmax per 256 values; fp32 states under 4096 values; step
+    expected = sum(2 * n + 8 * -(-n // 256) if n >= 4096 else 8 * n for n in sizes) + 4 * len(sizes)
+    assert est.totals["optimizer_states"] == expected
+
+
+def test_lora_on_the_lm_head_with_the_chunked_loss_is_refused_as_training_refuses_it() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    cfg = tiny_config("llama")
+    model = get_peft_model(AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(ValueError) as training:
+        CausalLMWithLoss(model, impl="chunked")
+    lora = LoraSpec(rank=4, target_modules=("q_proj", "lm_head"))
+    with pytest.raises(ValueError) as estimating:
+        estimate(
+            cfg,
+            micro_batch_size=1,
+            seq_len=32,
+            precision="fp32",
+            gradient_checkpointing=False,
+            lora=lora,
+            loss="chunked",
+        )
+    assert str(estimating.value) == str(training.value) and "plain lm_head" in str(training.value)
+
+
+def test_flash_attention_2_is_planned_without_flash_attn() -> None:
+    """Planning for a GPU from a machine without flash-attn: no mask, native GQA (less than SDPA on packed
+    rows, which builds the block mask and repeats K/V)."""
+    cfg = tiny_config("llama")
+    kw = dict(micro_batch_size=4, seq_len=128, precision="bf16", gradient_checkpointing=False, device="cuda")
+    fa2 = estimate(cfg, attn_implementation="flash_attention_2", **kw)
+    sdpa = estimate(cfg, **kw)
+    assert fa2.peak_bytes < sdpa.peak_bytes
+    assert fa2.settings["attn_implementation"] == "flash_attention_2"
+
+
+def test_flash_attention_2_without_the_package_is_one_line_for_training() -> None:
+    import importlib.util
+
+    from llmtune.model import SetupError, check_attn_implementation
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here")
+    with pytest.raises(SetupError, match="needs the flash-attn package"):
+        check_attn_implementation(tiny_config("llama"), "flash_attention_2")
+
+
+def test_gemma2_with_sdpa_is_refused_in_one_line_by_training_and_estimate() -> None:
+    from transformers import Gemma2Config
+
+    from llmtune.model import SetupError, check_attn_implementation
+
+    cfg = Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB,
+    )  # fmt: skip
+    message = "model.attn_implementation=sdpa: Gemma2ForCausalLM does not support it; use eager or flash_attention_2"
+    with pytest.raises(SetupError) as training:
+        check_attn_implementation(cfg, "sdpa")
+    with pytest.raises(SetupError) as estimating:
+        estimate(cfg, micro_batch_size=1, seq_len=32, precision="fp32", gradient_checkpointing=False)
+    assert str(training.value) == str(estimating.value) == message
+    assert estimate(cfg, micro_batch_size=1, seq_len=32, precision="fp32", gradient_checkpointing=False,
+                    attn_implementation="eager").peak_bytes > 0  # fmt: skip
+
+
+def test_the_estimate_leaves_no_patch_behind_even_when_it_fails() -> None:
+    import transformers.masking_utils as mu
+
+    module_to, find_packed = torch.nn.Module.to, mu.find_packed_sequence_indices
+    cfg = tiny_config("llama")
+    kw = dict(micro_batch_size=1, seq_len=32, precision="fp32", gradient_checkpointing=False)
+    estimate(cfg, lora=LoraSpec(rank=4), attn_implementation="flash_attention_2", **kw)
+    with pytest.raises(ValueError):
+        estimate(cfg, lora=LoraSpec(rank=4, target_modules=("lm_head",)), loss="chunked", **kw)
+    assert torch.nn.Module.to is module_to and mu.find_packed_sequence_indices is find_packed
+
+
+def test_trained_fraction_scales_what_the_chunked_loss_selects() -> None:
+    cfg = tiny_config("llama")
+    kw = dict(micro_batch_size=4, seq_len=128, precision="fp32", gradient_checkpointing=False, loss="chunked")
+    everything = estimate(cfg, **kw).peak_bytes
+    half = estimate(cfg, trained_fraction=0.5, **kw).peak_bytes
+    assert half < everything
+    with pytest.raises(ValueError, match="trained_fraction"):
+        estimate(cfg, trained_fraction=0.0, **kw)

@@ -10,12 +10,19 @@ real CPU steps it is exact to the byte in most cases (see benchmarks/results/). 
 traced at 2 and 3 layers (times the layer-kind period) and extrapolated: every segment's peak is
 affine in the layer count, so this matches a full trace exactly and a 70B config takes seconds.
 
-Assumptions about the loop: no padding mask (packed or full rows), the loop keeps only the loss
-(not `outputs.logits`) through backward, `zero_grad(set_to_none=True)` after the step. The
-chunked loss is `llmtune.loss.chunked_cross_entropy`, with every token assumed trained (fake
-tensors cannot see which labels are masked; this is the upper bound).
+The step is the training loop's own: `llmtune.loss.CausalLMWithLoss` (HF or chunked loss) on a
+micro-batch shaped as `llmtune.data.collate` shapes it -- packed rows with restarting position ids
+(transformers builds a block-diagonal mask, and GQA models then repeat K/V for SDPA) or padded rows
+with an attention mask -- every row `seq_len` tokens long (the largest micro-batch of the run), then
+`zero_grad(set_to_none=True)`. Fake tensors cannot see which labels are masked: the chunked loss is
+taken to train `trained_fraction` of the tokens (training passes the data's
+`DataStats.max_trained_fraction`; 1.0, the upper bound, by default).
 
-What is modelled rather than traced:
+What is modelled rather than traced (`llmtune.memory.kernels`, each stand-in from its kernel's source):
+- QLoRA's 4-bit NF4 base weights and their quantisation state, dequantised per matmul (bitsandbytes).
+- `optimizer="adamw_8bit"`: bitsandbytes' uint8 states with blockwise absmax, fp32 for small tensors.
+- `attn_implementation="flash_attention_2"`: SDPA's flash kernel without a mask and with native GQA,
+  which keeps what flash-attention-2 keeps (output, fp32 log-sum-exp).
 - `device="cuda"`: the trace runs CPU kernels (fake CUDA tensors fail in autograd on a CPU-only
   build). We round every storage to the CUDA caching allocator's 512-byte blocks and use the CUDA
   default AdamW (foreach: one state-sized temporary at step). SDPA on CPU uses the flash kernel,
@@ -25,13 +32,14 @@ What is modelled rather than traced:
   margin for them.
 - sharding and data parallelism: the counter scales sharded tags by 1/num_processes and adds
   the buffers the wrapper would hold (see `_sharding_plan`).
-- `optimizer="adamw_8bit"` (bitsandbytes is not a dependency): traced as per-tensor AdamW with
-  states counted at 2 bytes/param instead of 8.
+- compile (`training.compile`): not modelled; the eager step's memory is given (a compiled block
+  usually keeps less).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -39,7 +47,8 @@ from typing import Any
 
 import torch
 
-from llmtune.loss import chunked_cross_entropy, default_chunk_size
+from llmtune.loss import CausalLMWithLoss, decoder_of, default_chunk_size
+from llmtune.memory.kernels import AdamW8bitModel, parameter_count, quantize_base_4bit
 from llmtune.memory.measure import LiveStorageCounter
 from llmtune.model import enable_gradient_checkpointing, peft_quietly
 from llmtune.units import format_bytes
@@ -47,6 +56,7 @@ from llmtune.units import format_bytes
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
 OPTIMIZERS = ("adamw", "adamw_fused", "adamw_bf16", "adamw_8bit")
 LOSSES = ("hf", "chunked")
+LAYOUTS = ("packed", "padded")
 SHARDINGS = ("none", "fsdp", "zero2", "zero3")
 DEVICES = ("cuda", "cpu")
 PHASES = ("forward", "backward", "optimizer_step")
@@ -62,6 +72,7 @@ class LoraSpec:
     target_modules: tuple[str, ...] | str = "all-linear"
     dropout: bool = False  # True: peft keeps a dropout mask-sized copy of each adapter input
     alpha: int = 16
+    method: str = "lora"  # lora | dora (peft's magnitude vectors) | qlora (4-bit NF4 base, see kernels.py)
 
 
 @dataclass
@@ -89,14 +100,12 @@ class MemoryEstimate:
 
 
 # ---------------------------------------------------------------------------------------------
-# byte helpers
-
-# ---------------------------------------------------------------------------------------------
 # the traced step
 
 
-def _validate(precision: str, optimizer: str, loss: str, sharding: str, device: str) -> None:
+def _validate(precision: str, optimizer: str, loss: str, sharding: str, device: str, layout: str) -> None:
     for name, value, allowed in (
+        ("layout", layout, LAYOUTS),
         ("precision", precision, PRECISIONS),
         ("optimizer", optimizer, OPTIMIZERS),
         ("loss", loss, LOSSES),
@@ -107,38 +116,51 @@ def _validate(precision: str, optimizer: str, loss: str, sharding: str, device: 
             raise ValueError(f"{name}={value!r}; expected one of {allowed}")
 
 
-def _build_model(config: Any, precision: str, attn_implementation: str, lora: LoraSpec | None):
+def _build_model(config: Any, s: _Settings) -> torch.nn.Module:
+    """The model as `llmtune.model.load_model` builds it for training, on fake tensors."""
     from transformers import AutoModelForCausalLM
 
+    from llmtune.model import check_attn_implementation
+
+    check_attn_implementation(config, s.attn_implementation, installed=False)
     cfg = copy.deepcopy(config)
     cfg.use_cache = False
-    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    dtype = torch.bfloat16 if s.precision == "bf16-true" else torch.float32
+    # flash-attention-2 may not be installed here (planning for a GPU). transformers runs it without a
+    # mask on packed rows (varlen) and with native GQA; SDPA's flash kernel, run without a mask below,
+    # keeps the same output and fp32 log-sum-exp, so it stands in for it.
+    attn = "sdpa" if s.attn_implementation == "flash_attention_2" else s.attn_implementation
     # Full init on fake tensors costs nothing real and keeps what init does beyond values
     # (tying the lm head to the embedding).
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
-    if lora is not None:
-        from peft import LoraConfig, get_peft_model
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
+    lora = s.lora
+    if lora is None:
+        return model
+    from peft import LoraConfig, get_peft_model
 
-        target = lora.target_modules
-        # peft moves each new adapter to its base layer's device with Module.to(), which on fake
-        # parameters takes the swap_tensors path and fails. Everything is already on the (fake)
-        # CPU, and adapters stay fp32 as peft's autocast_adapter_dtype=True leaves them.
-        move = torch.nn.Module.to
-        torch.nn.Module.to = lambda self, *a, **k: self
-        try:
-            with peft_quietly():
-                model = get_peft_model(
-                    model,
-                    LoraConfig(
-                        r=lora.rank,
-                        lora_alpha=lora.alpha,
-                        target_modules=target if isinstance(target, str) else list(target),
-                        lora_dropout=0.1 if lora.dropout else 0.0,
-                        task_type="CAUSAL_LM",
-                    ),
-                )
-        finally:
-            torch.nn.Module.to = move
+    target = lora.target_modules
+    # peft moves each new adapter to its base layer's device with Module.to(), which on fake
+    # parameters takes the swap_tensors path and fails. Everything is already on the (fake)
+    # CPU, and adapters stay fp32 as peft's autocast_adapter_dtype=True leaves them.
+    move = torch.nn.Module.to
+    torch.nn.Module.to = lambda self, *a, **k: self
+    try:
+        with peft_quietly():
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=lora.rank,
+                    lora_alpha=lora.alpha,
+                    target_modules=target if isinstance(target, str) else list(target),
+                    lora_dropout=0.1 if lora.dropout else 0.0,
+                    use_dora=lora.method == "dora",
+                    task_type="CAUSAL_LM",
+                ),
+            )
+    finally:
+        torch.nn.Module.to = move
+    if lora.method == "qlora":
+        quantize_base_4bit(model, torch.float16 if s.precision == "fp16" else torch.bfloat16)
     return model
 
 
@@ -150,18 +172,9 @@ def _build_optimizer(params: list[torch.nn.Parameter], optimizer: str, device: s
 
         return BF16AdamW(params, lr=1e-3)
     if optimizer == "adamw_8bit":
-        # bitsandbytes updates one tensor at a time, like the for-loop implementation.
-        return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+        return AdamW8bitModel(params, lr=1e-3)
     # torch's own default for the target device: foreach on CUDA, the per-tensor loop on CPU.
     return torch.optim.AdamW(params, lr=1e-3, foreach=(device == "cuda"))
-
-
-def _chunked_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, chunk: int) -> torch.Tensor:
-    """The chunked loss as llmtune's training loop calls it (`llmtune.loss.CausalLMWithLoss`), so the
-    trace keeps what that implementation keeps."""
-    shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    return chunked_cross_entropy(flat, head.weight, shift_labels, bias=head.bias, chunk_size=chunk)
 
 
 @dataclass
@@ -198,10 +211,10 @@ def _sharding_plan(
 
 
 @contextmanager
-def _unpacked_rows() -> Iterator[None]:
-    """Tell transformers' mask builder the rows are not packed, as it finds out itself on real
-    tensors. On fake tensors it cannot look at position ids, assumes packing and materialises a
-    (batch, 1, seq, seq) mask -- which also turns off SDPA's causal fast path and native GQA."""
+def _no_packed_mask() -> Iterator[None]:
+    """flash-attention-2 stands in as SDPA without a mask (see `_build_model`). transformers' mask builder
+    cannot look at fake position ids, assumes packed rows and would materialise a (batch, 1, seq, seq)
+    block mask, which flash-attention-2 never builds (it takes the packed segments as varlen)."""
     import transformers.masking_utils as mu
 
     original = mu.find_packed_sequence_indices
@@ -225,6 +238,7 @@ def _hooks(handles: list[Any]) -> Iterator[None]:
 class _Settings:
     micro_batch_size: int
     seq_len: int
+    layout: str
     precision: str
     gradient_checkpointing: bool
     attn_implementation: str
@@ -237,6 +251,7 @@ class _Settings:
     device: str
     grad_accum_steps: int
     ddp_bucket_view: bool
+    trained_fraction: float
 
 
 @dataclass
@@ -251,8 +266,9 @@ class _TraceCounter(LiveStorageCounter):
     of the step (embedding, each layer's forward and backward, head and loss, optimizer step),
     so that a trace of a few layers can be extrapolated to many."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, trained_fraction: float, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.trained_fraction = trained_fraction
         self.phase = "forward"  # forward / backward / optimizer_step: where each segment's peak happened
         self.segment: str | None = None
         self.segments: dict[str, _SegmentPeak] = {}
@@ -275,9 +291,10 @@ class _TraceCounter(LiveStorageCounter):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.nonzero.default:
-            # Data-dependent size (a loss selecting trained rows): fake tensors cannot know it, so
-            # assume every element is selected -- every token trained, the upper bound.
-            out = torch.empty((args[0].numel(), args[0].dim()), dtype=torch.long)
+            # Data-dependent size (the chunked loss selecting the trained tokens): fake tensors cannot
+            # know it, so the data tells (DataStats.max_trained_fraction; 1.0, every token, bounds it).
+            rows = math.ceil(args[0].numel() * self.trained_fraction)
+            out = torch.empty((rows, args[0].dim()), dtype=torch.long)
             self.register(out)
             return out
         if func is torch.ops.aten._to_copy.default and self.tag_of(args[0]) == "weights":
@@ -287,6 +304,16 @@ class _TraceCounter(LiveStorageCounter):
             finally:
                 self.tag = saved
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _batch(s: _Settings) -> dict[str, torch.Tensor]:
+    """A micro-batch as `llmtune.data.collate` makes it: packed rows carry position ids and no attention
+    mask (transformers builds the block-diagonal mask itself), padded rows an attention mask."""
+    shape = (s.micro_batch_size, s.seq_len)
+    ids = {"input_ids": torch.zeros(shape, dtype=torch.long), "labels": torch.zeros(shape, dtype=torch.long)}
+    if s.layout == "packed":
+        return ids | {"position_ids": torch.zeros(shape, dtype=torch.long)}
+    return ids | {"attention_mask": torch.ones(shape, dtype=torch.long)}
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
@@ -322,11 +349,14 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
     """Run one steady-state training step of `config` on fake tensors and record segment peaks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(), _unpacked_rows():
-        model = _build_model(config, s.precision, s.attn_implementation, s.lora)
+    fa2 = s.attn_implementation == "flash_attention_2"
+    with FakeTensorMode(), _no_packed_mask() if fa2 else nullcontext():
+        model = _build_model(config, s)
         if s.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         model.train()
+        # The module the training loop runs (and refuses what it refuses, with the same message).
+        step_module = CausalLMWithLoss(model, s.loss, s.chunk_size)
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = _build_optimizer(trainable, s.optimizer, s.device)
         # Steady state: AdamW creates its states at the first step(), so make them exist now
@@ -344,20 +374,16 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
         plan = _sharding_plan(s.sharding, s.num_processes, layer_bytes, layer_grad_bytes, grad_bytes, s.ddp_bucket_view)
         state_tensors = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
         totals = {
-            "parameters": sum(p.numel() for p in model.parameters()),
+            "parameters": parameter_count(model),
             "trainable_parameters": sum(p.numel() for p in trainable),
-            "weights": nbytes(model.parameters()),
+            "weights": nbytes(model.parameters()) + nbytes(model.buffers()),  # buffers: rotary tables, 4-bit state
             "gradients": grad_bytes,
             "optimizer_states": nbytes(state_tensors),
         }
 
-        counter = _TraceCounter(round_to=_CUDA_BLOCK if s.device == "cuda" else 1)
+        counter = _TraceCounter(s.trained_fraction, round_to=_CUDA_BLOCK if s.device == "cuda" else 1)
         for tag, factor in plan.scale.items():
             counter.set_scale(tag, factor)
-        if s.optimizer == "adamw_8bit":
-            state_scale = plan.scale.get("optimizer_states", 1.0)
-            counter.set_scale("optimizer_states", 0.25 * state_scale)  # 2 bytes/param, not 8
-            totals["optimizer_states"] //= 4
         for p in model.parameters():
             counter.register(p, "weights")
             if p.grad is not None:
@@ -366,10 +392,9 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
             counter.register(b, "weights")
         for v in state_tensors:
             counter.register(v, "optimizer_states")
-        input_ids = torch.zeros(s.micro_batch_size, s.seq_len, dtype=torch.long)
-        labels = torch.zeros(s.micro_batch_size, s.seq_len, dtype=torch.long)
-        counter.register(input_ids, "inputs")
-        counter.register(labels, "inputs")
+        batch = _batch(s)
+        for v in batch.values():
+            counter.register(v, "inputs")
 
         def block_name(i: int) -> str:
             block, last = i // period, (len(layers) - 1) // period
@@ -381,11 +406,13 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
         def on_hidden_grad(_g: torch.Tensor) -> None:
             counter.tag = "backward_temporaries"
 
-        def lm_head_pre(_module: torch.nn.Module, args: tuple) -> None:
+        def decoder_post(_module: torch.nn.Module, _args: tuple, out: Any) -> None:
+            # From the decoder's last hidden state on: the head and the loss.
             counter.tag = "logits_and_loss"
             counter.set_segment("head")
-            if args and torch.is_tensor(args[0]) and args[0].requires_grad:
-                args[0].register_hook(on_hidden_grad)
+            hidden = out.last_hidden_state
+            if hidden.requires_grad:
+                hidden.register_hook(on_hidden_grad)
 
         def layer_hooks(i: int, layer: torch.nn.Module) -> list[Any]:
             def pre(_m: torch.nn.Module, _args: tuple) -> None:
@@ -401,7 +428,7 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
             return [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
 
         handles = [p.register_post_accumulate_grad_hook(on_grad) for p in trainable]
-        handles.append(model.get_output_embeddings().register_forward_pre_hook(lm_head_pre))
+        handles.append(decoder_of(model).register_forward_hook(decoder_post))
         for i, layer in enumerate(layers or []):
             handles += layer_hooks(i, layer)
 
@@ -415,20 +442,7 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
             counter.extra_bytes = plan.always_extra + plan.fwd_bwd_extra
             counter.set_segment("pre")
             with autocast:
-                if s.loss == "hf":
-                    # Only the loss is kept: the loop must not hold `outputs` (the logits)
-                    # through backward.
-                    step_loss = model(input_ids=input_ids, labels=labels).loss
-                else:
-                    base = model.get_base_model() if s.lora is not None else model
-                    hidden = base.get_decoder()(input_ids=input_ids).last_hidden_state
-                    counter.tag = "logits_and_loss"
-                    counter.set_segment("head")
-                    if hidden.requires_grad:
-                        hidden.register_hook(on_hidden_grad)
-                    head = base.get_output_embeddings()
-                    step_loss = _chunked_loss(hidden, head, labels, s.chunk_size)
-                    hidden = None
+                step_loss = step_module(**batch)
                 if s.precision == "fp16":
                     step_loss = step_loss * 65536.0  # GradScaler's scaled loss: a scalar
             counter.phase = "backward"
@@ -471,6 +485,7 @@ def estimate(
     seq_len: int,
     precision: str,
     gradient_checkpointing: bool,
+    layout: str = "packed",
     attn_implementation: str = "sdpa",
     optimizer: str = "adamw",
     loss: str = "hf",
@@ -481,24 +496,28 @@ def estimate(
     device: str = "cuda",
     grad_accum_steps: int = 1,
     ddp_bucket_view: bool = False,
+    trained_fraction: float = 1.0,
     max_traced_layers: int = 4,
 ) -> MemoryEstimate:
     """Peak bytes of a steady-state training micro-step of `config` on one process.
 
-    The step: forward on `micro_batch_size` x `seq_len` tokens (no padding mask, only the loss
-    kept), backward, optimizer step, `zero_grad(set_to_none=True)`. With `grad_accum_steps > 1`
+    The step: forward on `micro_batch_size` x `seq_len` tokens laid out as `layout` (packed or padded
+    rows, only the loss kept), backward, optimizer step, `zero_grad(set_to_none=True)`. With `grad_accum_steps > 1`
     the previous micro-steps' gradients are alive during forward and backward.
     `num_processes`/`sharding` divide the sharded states; `"none"` with several processes is
     DDP with its gradient buckets unless `ddp_bucket_view` (gradient_as_bucket_view=True).
     Models with more than `max_traced_layers` layers (in units of the layer-kind period) are
     traced at 2 and 3 periods and extrapolated linearly in the layer count.
     """
-    _validate(precision, optimizer, loss, sharding, device)
+    _validate(precision, optimizer, loss, sharding, device, layout)
     if micro_batch_size < 1 or seq_len < 2:
         raise ValueError("micro_batch_size must be >= 1 and seq_len >= 2")
+    if not 0 < trained_fraction <= 1:
+        raise ValueError(f"trained_fraction={trained_fraction}; expected 0 < f <= 1")
     s = _Settings(
         micro_batch_size=micro_batch_size,
         seq_len=seq_len,
+        layout=layout,
         precision=precision,
         gradient_checkpointing=gradient_checkpointing,
         attn_implementation=attn_implementation,
@@ -511,6 +530,7 @@ def estimate(
         device=device,
         grad_accum_steps=grad_accum_steps,
         ddp_bucket_view=ddp_bucket_view,
+        trained_fraction=trained_fraction,
     )
     layers = int(config.num_hidden_layers)
     period = _layer_period(config)

@@ -38,6 +38,11 @@ class BatchPlan:
     budget_bytes: int | None = None
     estimate: MemoryEstimate | None = field(default=None, repr=False, compare=False)
 
+    @property
+    def fits(self) -> bool:
+        """False only when an estimate says the peak is over the budget."""
+        return self.predicted_peak_bytes is None or self.predicted_peak_bytes <= self.budget_bytes
+
     def describe(self) -> str:
         if self.predicted_peak_bytes is None:
             return "micro-batch fixed by the recipe (set training.micro_batch_size: auto to plan it)"
@@ -56,6 +61,7 @@ class BatchPlan:
         out = self.state()
         if self.predicted_peak_bytes is not None:
             out["predicted_peak"] = format_bytes(self.predicted_peak_bytes)
+            out["fits"] = self.fits
         if self.budget_bytes is not None:
             out["budget"] = format_bytes(self.budget_bytes)
         if self.estimate is not None:
@@ -244,19 +250,28 @@ def planning_target(
     )
 
 
-def recipe_for_model(name: str, *, method: str, seq_len: int, device: str, global_batch_size: int = 32) -> Recipe:
+def recipe_for_model(
+    name: str, config: Any, *, method: str, seq_len: int, device: str, global_batch_size: int = 32
+) -> Recipe:
     """The recipe `llmtune estimate --model NAME` plans when no recipe is given: common fine-tuning defaults.
 
     Checkpointing on, the micro-batch planned for a global batch of 32; LoRA / QLoRA as in
     recipes/llama3-8b-lora.yaml (rank 16 on every linear layer, base weights in bf16 on a GPU, since mixed
-    precision would keep an fp32 copy of weights that never change); a full fine-tune in mixed precision.
+    precision would keep an fp32 copy of weights that never change); a full fine-tune in mixed precision;
+    SDPA attention, or eager for a model without an SDPA path (Gemma-2), as transformers falls back.
     """
+    from llmtune.model import SetupError, check_attn_implementation
     from llmtune.recipe import DataConfig, ModelConfig, PeftConfig, TrainingConfig
 
+    try:
+        check_attn_implementation(config, "sdpa", installed=False)
+        attn = "sdpa"
+    except SetupError:
+        attn = "eager"
     adapters = method in ("lora", "qlora")
     precision = "bf16-true" if adapters and device == "cuda" else "auto"
     return Recipe(
-        model=ModelConfig(name_or_path=name),
+        model=ModelConfig(name_or_path=name, attn_implementation=attn),
         data=DataConfig(max_length=seq_len),
         training=TrainingConfig(precision=precision, global_batch_size=global_batch_size, micro_batch_size="auto"),
         peft=PeftConfig(method="none" if method == "full" else method, rank=16, alpha=32.0),
@@ -266,8 +281,19 @@ def recipe_for_model(name: str, *, method: str, seq_len: int, device: str, globa
 # ---------------------------------------------------------------- from a recipe
 
 
-def estimate_settings(recipe: Recipe, *, loss: str, device: str, sharding: str = "none", precision: str | None = None):
+def estimate_settings(
+    recipe: Recipe,
+    *,
+    loss: str,
+    device: str,
+    sharding: str = "none",
+    precision: str | None = None,
+    trained_fraction: float = 1.0,
+):
     """The estimator's keyword arguments for `recipe` run on `device` as the training loop would run it.
+
+    `trained_fraction` is the data's `DataStats.max_trained_fraction` where the data is at hand (training);
+    without it (`llmtune estimate`) every token is taken as trained, the upper bound.
 
     `precision` is the resolved mode; left out, the recipe's `auto` is taken as bf16 on CUDA (every GPU
     worth planning for has it) and as the local CPU's choice otherwise.
@@ -281,9 +307,11 @@ def estimate_settings(recipe: Recipe, *, loss: str, device: str, sharding: str =
     elif precision is None:
         precision = resolve_precision(t.precision, device)
     lora = None
-    if peft.method != "none":  # DoRA's magnitude vectors and QLoRA's 4-bit base are not modelled: LoRA's figure
+    if peft.method != "none":
         target = peft.target_modules if isinstance(peft.target_modules, str) else tuple(peft.target_modules)
-        lora = LoraSpec(rank=peft.rank, target_modules=target, dropout=peft.dropout > 0, alpha=int(peft.alpha))
+        lora = LoraSpec(
+            rank=peft.rank, target_modules=target, dropout=peft.dropout > 0, alpha=int(peft.alpha), method=peft.method
+        )
     optimizer = t.optimizer
     if optimizer == "adamw":
         # What optim.make_optimizer builds: BF16AdamW for bf16 weights (bf16-true without adapters, whose
@@ -291,6 +319,7 @@ def estimate_settings(recipe: Recipe, *, loss: str, device: str, sharding: str =
         optimizer = "adamw_bf16" if precision == "bf16-true" and peft.method == "none" else "adamw_fused"
     return dict(
         precision=precision,
+        layout="packed" if recipe.data.packing else "padded",
         gradient_checkpointing=t.gradient_checkpointing,
         attn_implementation=recipe.model.attn_implementation,
         optimizer=optimizer,
@@ -298,6 +327,7 @@ def estimate_settings(recipe: Recipe, *, loss: str, device: str, sharding: str =
         lora=lora,
         sharding=sharding,
         device=device,
+        trained_fraction=max(trained_fraction, 1 / recipe.data.max_length),
     )
 
 
@@ -309,7 +339,21 @@ def resolve_budget(text: str, device: str | torch.device) -> int:
 
 
 def plan_for_budget(recipe: Recipe, config: Any, settings: dict[str, Any], *, budget_bytes: int, num_processes: int):
-    """The largest micro-batch for the recipe's global batch and max_length within `budget_bytes`."""
+    """The largest micro-batch for the recipe's global batch and max_length within `budget_bytes`; a fixed
+    `training.micro_batch_size` is estimated as given (whether it fits or not: `BatchPlan.fits`)."""
+    t = recipe.training
+    if t.micro_batch_size != "auto":
+        m = t.micro_batch_size
+        accum = max(1, t.global_batch_size // (m * num_processes))
+        est = estimate(
+            config,
+            micro_batch_size=m,
+            seq_len=recipe.data.max_length,
+            num_processes=num_processes,
+            grad_accum_steps=accum,
+            **settings,
+        )
+        return BatchPlan(m, accum, num_processes, "recipe", est.peak_bytes, budget_bytes, est)
     return plan_micro_batch(
         config,
         global_batch_size=recipe.training.global_batch_size,
@@ -337,6 +381,7 @@ def format_plan(plan: BatchPlan, title: str) -> str:
         f" {s['attn_implementation']} attention, {s['optimizer']}, {s['loss']} loss"
         + (f", LoRA r={s['lora']['rank']}" if s.get("lora") else ""),
         f"predicted peak {format_bytes(plan.predicted_peak_bytes)} of a {format_bytes(plan.budget_bytes)} budget"
+        + ("" if plan.fits else ": DOES NOT FIT")
         + (
             " (tensors only: the CUDA context, cuBLAS/NCCL workspaces and fragmentation are outside it)"
             if s["device"] == "cuda"
