@@ -12,7 +12,7 @@ import importlib.util
 import logging
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -221,9 +221,10 @@ def compile_blocks(model: torch.nn.Module) -> int:
     return len(blocks)
 
 
-def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
-    """Non-reentrant checkpointing through transformers' API (renamed in 5.x; keep working on both)."""
-    kwargs = {"use_reentrant": False}
+def enable_gradient_checkpointing(model: PreTrainedModel, context_fn: Callable | None = None) -> None:
+    """Non-reentrant checkpointing through transformers' API (renamed in 5.x; keep working on both).
+    `context_fn` is torch.utils.checkpoint's: (forward context, recompute context)."""
+    kwargs: dict = {"use_reentrant": False} | ({"context_fn": context_fn} if context_fn else {})
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

@@ -134,6 +134,12 @@ class MemoryConfig:
         " size like `20GiB`.",
         "auto",
     )
+    expandable_segments: bool = doc(
+        "On CUDA, let the caching allocator grow its segments rather than cut new ones"
+        " (expandable_segments:True): less fragmentation, so more of the budget holds tensors. A setting"
+        " already in PYTORCH_CUDA_ALLOC_CONF wins.",
+        True,
+    )
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from llmtune import checkpoint
 from llmtune.data import PreparedData, batch_for_step, collate, eval_batches, prepare_data, squared_lengths
 from llmtune.loss import CausalLMWithLoss, resolve_loss_impl
 from llmtune.memory.measure import PeakMemoryTracker
-from llmtune.memory.plan import BatchPlan, estimate_settings, plan_for_budget, resolve_budget
+from llmtune.memory.plan import BatchPlan, estimate_settings, expandable_segments, plan_for_budget, resolve_budget
 from llmtune.metrics import MetricsLogger, ModelFlops, check_trackers, model_flops, peak_flops
 from llmtune.model import (
     SetupError,
@@ -138,6 +138,8 @@ def make_accelerator(recipe: Recipe) -> tuple[Accelerator, str, str]:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     check_requirements(recipe, device_type)
     check_trackers(recipe.logging.report_to)
+    if device_type == "cuda" and expandable_segments(recipe):
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")  # before the first allocation
     precision, why = choose_precision(recipe.training.precision, device_type)
     mixed = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "no")
     launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
@@ -326,7 +328,7 @@ def fit(run: Run) -> dict[str, Any]:
     metrics = MetricsLogger(acc, out, r, total_steps=r.training.max_steps, start_step=run.start_step)
     nonfinite = 0
     eval_loss = None
-    steady_peak = 0  # the first optimizer step is lower: AdamW states appear during it
+    steady_peak = steady_reserved = 0  # the first optimizer step is lower: AdamW states appear during it
     step = run.start_step
     started = time.perf_counter()
     with Preemption() as preemption:
@@ -369,9 +371,11 @@ def fit(run: Run) -> dict[str, Any]:
             step += 1
             run.counters["trained_tokens"] += result.trained_tokens
             peak = tracker.peak_bytes if measured else None
+            reserved = tracker.peak_reserved_bytes if measured else None  # what the budget is held against
             if step > 1 and peak:
                 steady_peak = max(steady_peak, peak)
-                over_budget = run.plan.budget_bytes is not None and peak > run.plan.budget_bytes
+                steady_reserved = max(steady_reserved, reserved)
+                over_budget = run.plan.budget_bytes is not None and reserved > run.plan.budget_bytes
                 if step == 2 and bool(acc.reduce(torch.tensor(int(over_budget), device=acc.device), "sum")):
                     # The estimate missed; don't wait for an out-of-memory error to find out.
                     run.plan = shrink_plan(run.plan, len(examples))
@@ -387,6 +391,7 @@ def fit(run: Run) -> dict[str, Any]:
                 tokens_per_s=result.trained_tokens / seconds,
                 mfu=result.flops / seconds / run.peak_flops / acc.num_processes,
                 peak_memory_bytes=peak,
+                peak_reserved_bytes=reserved,
                 skipped_steps=run.counters["skipped_steps"],
                 micro_batch_size=run.plan.micro_batch_size,
                 memory_tracked=measured,
@@ -405,7 +410,8 @@ def fit(run: Run) -> dict[str, Any]:
                 return {"preempted_at_step": step}
     save_base = r.model.random_init and r.peft.method != "none"
     final = checkpoint.save_final(acc, model, run.tokenizer, out, save_base=save_base)
-    summary = run_summary(run, metrics, steady_peak, time.perf_counter() - started, step, eval_loss, final)
+    peaks = {"peak_memory_bytes": steady_peak, "peak_reserved_bytes": steady_reserved}
+    summary = run_summary(run, metrics, peaks, time.perf_counter() - started, step, eval_loss, final)
     metrics.close(summary)
     return summary
 
@@ -519,7 +525,13 @@ def save(run: Run, step: int) -> None:
 
 
 def run_summary(
-    run: Run, metrics: MetricsLogger, peak_bytes: int, seconds: float, step: int, eval_loss: float | None, final: Path
+    run: Run,
+    metrics: MetricsLogger,
+    peaks: dict[str, int],
+    seconds: float,
+    step: int,
+    eval_loss: float | None,
+    final: Path,
 ) -> dict[str, Any]:
     trained = run.counters["trained_tokens"]
     return {
@@ -533,7 +545,7 @@ def run_summary(
         "trained_tokens": trained,
         "seconds": seconds,
         "tokens_per_s": metrics.tokens_per_s(),
-        "peak_memory_bytes": peak_bytes,
+        **peaks,  # steady-state (after step 1) peaks of live tensors and, on CUDA, of the allocator's reserve
         "memory_plan": run.plan.to_dict(),
         "skipped_steps": run.counters["skipped_steps"],
         "eval_loss": eval_loss,

@@ -453,9 +453,10 @@ def memory_case(ctx: Ctx, case: dict) -> dict:
     measured = peak - leftover  # on CUDA the allocator counts everything, earlier cases' leftovers too
     return {
         "seq_len": width, "estimate_bytes": est.peak_bytes, "estimate_phase": est.peak_phase,
+        "estimate_reserved_bytes": est.reserved_bytes,
         "measured_bytes": measured, "reserved_bytes": reserved, "leftover_bytes": leftover, "oom": oom,
         "error": est.peak_bytes / measured - 1,
-        "error_vs_reserved": est.peak_bytes / (reserved - leftover) - 1 if reserved else None,
+        "error_vs_reserved": est.reserved_bytes / (reserved - leftover) - 1 if reserved else None,
     }  # fmt: skip
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
 
 from llmtune.data import collate
@@ -417,3 +418,46 @@ def test_trained_fraction_scales_what_the_chunked_loss_selects() -> None:
     assert half < everything
     with pytest.raises(ValueError, match="trained_fraction"):
         estimate(cfg, trained_fraction=0.0, **kw)
+
+
+def test_cuda_autocast_lists_where_they_differ_from_cpu() -> None:
+    """CUDA autocast runs softmax, layer_norm, pow, exp... in fp32; CPU autocast does not."""
+    from llmtune.memory.kernels import CudaKernels
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    ops = {
+        "linear": lambda: F.linear(x, w),
+        "softmax": lambda: F.linear(x, w).softmax(-1),
+        "layer_norm": lambda: F.layer_norm(F.linear(x, w), (8,)),
+        "pow": lambda: F.linear(x, w) ** 3,
+        "einsum": lambda: torch.einsum("ij,jk->ik", x, w),
+    }
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cpu = {name: op().dtype for name, op in ops.items()}
+        with CudaKernels():
+            cuda = {name: op().dtype for name, op in ops.items()}
+    f32, b16 = torch.float32, torch.bfloat16
+    assert cuda == {"linear": b16, "softmax": f32, "layer_norm": f32, "pow": f32, "einsum": b16}
+    assert cpu == {"linear": b16, "softmax": b16, "layer_norm": b16, "pow": b16, "einsum": b16}  # via bmm
+
+
+def test_cuda_sdpa_backend_choice() -> None:
+    from llmtune.memory.kernels import cuda_sdpa_backend
+
+    q16, q32 = torch.empty(1, 4, 8, 64, dtype=torch.bfloat16), torch.empty(1, 4, 8, 64)
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    assert cuda_sdpa_backend(q16, None, enable_gqa=True) == "flash"
+    assert cuda_sdpa_backend(q16, mask, enable_gqa=False) == "efficient"  # packed rows: a block mask
+    assert cuda_sdpa_backend(q32, None, enable_gqa=False) == "efficient"
+    assert cuda_sdpa_backend(q32, None, enable_gqa=True) == "math"
+    assert cuda_sdpa_backend(torch.empty(1, 4, 8, 320, dtype=torch.bfloat16), None, enable_gqa=False) == "efficient"
+
+
+def test_cuda_plan_keeps_no_attention_matrix_under_dropout() -> None:
+    """GPT-2 trains with attention dropout: CPU SDPA then runs the math path and keeps (B, H, T, T)
+    probabilities; CUDA's flash and memory-efficient kernels drop in-kernel and keep a log-sum-exp."""
+    cfg = tiny_config("gpt2")
+    kw = dict(micro_batch_size=4, seq_len=256, precision="bf16", gradient_checkpointing=False)
+    cpu, cuda = estimate(cfg, device="cpu", **kw), estimate(cfg, device="cuda", **kw)
+    probabilities = 4 * 4 * 256 * 256 * 2  # one layer's bf16 (B, H, T, T)
+    assert cpu.peak_bytes - cuda.peak_bytes > probabilities

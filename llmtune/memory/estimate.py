@@ -24,12 +24,13 @@ What is modelled rather than traced (`llmtune.memory.kernels`, each stand-in fro
 - `attn_implementation="flash_attention_2"`: SDPA's flash kernel without a mask and with native GQA,
   which keeps what flash-attention-2 keeps (output, fp32 log-sum-exp).
 - `device="cuda"`: the trace runs CPU kernels (fake CUDA tensors fail in autograd on a CPU-only
-  build). We round every storage to the CUDA caching allocator's 512-byte blocks and use the CUDA
-  default AdamW (foreach: one state-sized temporary at step). SDPA on CPU uses the flash kernel,
-  which keeps the same output + fp32 logsumexp as CUDA flash / memory-efficient attention.
-  Not counted: the CUDA context (0.3-2 GiB), cuBLAS workspace, NCCL buffers and allocator
-  fragmentation -- all outside `torch.cuda.max_memory_allocated`; `plan.default_budget` keeps a
-  margin for them.
+  build), with CUDA autocast's op lists where they differ from CPU's and SDPA replaced by the kernel
+  CUDA would pick (flash / memory-efficient stand-ins with their backward workspaces; the math
+  composite as itself) -- `kernels.CudaKernels`. Every storage is rounded to the caching allocator's
+  512-byte blocks, AdamW is CUDA's default (foreach: one state-sized temporary at step), and
+  `reserved_bytes` adds what the allocator keeps on top (`allocator.reserved_overhead`).
+  Not counted: the CUDA context (0.3-2 GiB), cuBLAS workspace, NCCL buffers; `plan.default_budget`
+  keeps a margin for them.
 - sharding and data parallelism: the counter scales sharded tags by 1/num_processes and adds
   the buffers the wrapper would hold (see `_sharding_plan`).
 - compile (`training.compile`): not modelled; the eager step's memory is given (a compiled block
@@ -48,7 +49,8 @@ from typing import Any
 import torch
 
 from llmtune.loss import CausalLMWithLoss, decoder_of, default_chunk_size
-from llmtune.memory.kernels import AdamW8bitModel, parameter_count, quantize_base_4bit
+from llmtune.memory.allocator import reserved_peak
+from llmtune.memory.kernels import AdamW8bitModel, CudaKernels, parameter_count, quantize_base_4bit
 from llmtune.memory.measure import LiveStorageCounter
 from llmtune.model import enable_gradient_checkpointing, peft_quietly
 from llmtune.units import format_bytes
@@ -90,12 +92,14 @@ class MemoryEstimate:
     breakdown: dict[str, int]
     peak_bytes: int
     peak_phase: str
+    reserved_bytes: int = 0  # CUDA: what the caching allocator reserves at the peak; CPU: peak_bytes
     totals: dict[str, int] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["peak"] = format_bytes(self.peak_bytes)
+        d["reserved"] = format_bytes(self.reserved_bytes)
         return d
 
 
@@ -252,6 +256,7 @@ class _Settings:
     grad_accum_steps: int
     ddp_bucket_view: bool
     trained_fraction: float
+    expandable_segments: bool
 
 
 @dataclass
@@ -272,6 +277,21 @@ class _TraceCounter(LiveStorageCounter):
         self.phase = "forward"  # forward / backward / optimizer_step: where each segment's peak happened
         self.segment: str | None = None
         self.segments: dict[str, _SegmentPeak] = {}
+        self.events: list[tuple[int, int]] = []  # (storage, bytes) allocated, (storage, 0) freed, in order
+
+    def register(self, t: torch.Tensor, tag: str | None = None) -> None:
+        # Each storage's first registration is an allocation for the allocator model (allocator.py).
+        known = not isinstance(t, torch.Tensor) or t.device.type == "meta" or id(t.untyped_storage()) in self._live
+        super().register(t, tag)
+        if not known:
+            key = id(t.untyped_storage())
+            nbytes, tag, _ = self._live[key]
+            self.events.append((key, int(nbytes * self.scale.get(tag, 1.0))))
+
+    def _release(self, key: int) -> None:
+        if key in self._live:
+            self.events.append((key, 0))
+        super()._release(key)
 
     def set_segment(self, name: str) -> None:
         self.segment = name
@@ -343,6 +363,7 @@ def _with_layers(config: Any, n: int) -> Any:
 class _Trace:
     segments: dict[str, _SegmentPeak]
     totals: dict[str, int]
+    reserved_overhead: int = 0  # what the CUDA caching allocator reserves beyond the peak of live blocks
 
 
 def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
@@ -353,7 +374,9 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
     with FakeTensorMode(), _no_packed_mask() if fa2 else nullcontext():
         model = _build_model(config, s)
         if s.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
+            # A checkpointed block recomputes its forward in backward: with CUDA's kernels too.
+            cuda = s.device == "cuda"
+            enable_gradient_checkpointing(model, context_fn=(lambda: (nullcontext(), CudaKernels())) if cuda else None)
         model.train()
         # The module the training loop runs (and refuses what it refuses, with the same message).
         step_module = CausalLMWithLoss(model, s.loss, s.chunk_size)
@@ -441,7 +464,7 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
             counter.phase, counter.tag = "forward", "activations"
             counter.extra_bytes = plan.always_extra + plan.fwd_bwd_extra
             counter.set_segment("pre")
-            with autocast:
+            with autocast, CudaKernels() if s.device == "cuda" else nullcontext():
                 step_loss = step_module(**batch)
                 if s.precision == "fp16":
                     step_loss = step_loss * 65536.0  # GradScaler's scaled loss: a scalar
@@ -455,7 +478,11 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
             counter.set_segment("step")
             opt.step()
             opt.zero_grad(set_to_none=True)
-    return _Trace(counter.segments, totals)
+    overhead = 0
+    if s.device == "cuda":
+        reserved, allocated = reserved_peak(counter.events, expandable_segments=s.expandable_segments)
+        overhead = reserved - allocated
+    return _Trace(counter.segments, totals, overhead)
 
 
 def _extrapolate(a: _Trace, la: int, b: _Trace, lb: int, layers: int) -> _Trace:
@@ -475,7 +502,7 @@ def _extrapolate(a: _Trace, la: int, b: _Trace, lb: int, layers: int) -> _Trace:
         by_tag = {t: line(sa.by_tag.get(t, 0), sb.by_tag.get(t, 0)) for t in tags}
         segments[name] = _SegmentPeak(line(sa.bytes, sb.bytes), by_tag, sa.phase)
     totals = {k: line(a.totals[k], b.totals[k]) for k in a.totals}
-    return _Trace(segments, totals)
+    return _Trace(segments, totals, max(0, line(a.reserved_overhead, b.reserved_overhead)))
 
 
 def estimate(
@@ -497,6 +524,7 @@ def estimate(
     grad_accum_steps: int = 1,
     ddp_bucket_view: bool = False,
     trained_fraction: float = 1.0,
+    expandable_segments: bool = True,
     max_traced_layers: int = 4,
 ) -> MemoryEstimate:
     """Peak bytes of a steady-state training micro-step of `config` on one process.
@@ -531,6 +559,7 @@ def estimate(
         grad_accum_steps=grad_accum_steps,
         ddp_bucket_view=ddp_bucket_view,
         trained_fraction=trained_fraction,
+        expandable_segments=expandable_segments,
     )
     layers = int(config.num_hidden_layers)
     period = _layer_period(config)
@@ -556,6 +585,7 @@ def estimate(
         breakdown=breakdown,
         peak_bytes=top.bytes,
         peak_phase=top.phase,
+        reserved_bytes=top.bytes + trace.reserved_overhead,
         totals=trace.totals,
         settings=settings,
     )

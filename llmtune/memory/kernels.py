@@ -1,11 +1,12 @@
 """Memory models of kernels the estimator cannot run here, written from their sources.
 
 The estimator traces a real training step on fake tensors, so whatever PyTorch and transformers run on
-this machine is counted as it really happens. Three things users plan for do not run here: bitsandbytes'
-4-bit base weights (QLoRA) and 8-bit AdamW need CUDA, and flash-attention-2 needs its CUDA package. Each
-is replaced, inside the trace only, by a stand-in that allocates and keeps exactly what the real kernel
-allocates and keeps (values are never computed: the tensors are fake). Each stand-in names the source it
-follows; if that source changes, so must the stand-in.
+this machine is counted as it really happens. What users plan for but cannot run here: bitsandbytes'
+4-bit base weights (QLoRA) and 8-bit AdamW need CUDA, flash-attention-2 needs its CUDA package, and a
+CUDA step differs from the CPU one in autocast's op lists and in its attention kernels. Each is replaced,
+inside the trace only, by a stand-in that allocates and keeps what the real kernel allocates and keeps
+(values are never computed: the tensors are fake). Each stand-in names the source it follows; if that
+source changes, so must the stand-in. These are checked on a GPU by scripts/gpu_check.py, not here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import math
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 
 # bitsandbytes 0.4x/0.5x `quantize_4bit` (NF4, as llmtune.model.load_model asks for it): blocks of 64
 # weights share one absmax; with double quantisation those absmaxes are themselves quantised to uint8 in
@@ -120,4 +123,142 @@ class AdamW8bitModel(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"])  # stands for the fused in-place update
 
 
-__all__ = ["AdamW8bitModel", "Linear4bitModel", "parameter_count", "quantize_base_4bit"]
+# ---------------------------------------------------------------- what a CUDA step runs, traced on CPU kernels
+# The trace runs CPU kernels under CPU autocast (a CPU-only torch cannot run fake CUDA tensors through
+# autograd). `CudaKernels` makes the step keep what the CUDA one keeps where the two differ: autocast's
+# op lists, and the SDPA kernel CUDA would choose.
+
+F = torch.nn.functional
+T = torch.Tensor
+# aten/src/ATen/autocast_mode.h, AT_FORALL_FP32: CUDA autocast runs these in fp32 (casts their inputs). CPU
+# autocast leaves most of them in the input's dtype.
+_CUDA_FP32 = {
+    *(torch.exp, T.exp, torch.expm1, torch.log, T.log, torch.log10, torch.log2, torch.log1p, T.log1p),
+    *(torch.reciprocal, T.reciprocal, torch.rsqrt, T.rsqrt, torch.pow, T.pow, T.__pow__, T.__rpow__),
+    *(torch.acos, torch.asin, torch.cosh, torch.sinh, torch.tan, torch.erfinv, F.softplus),
+    *(F.layer_norm, torch.layer_norm, F.group_norm, torch.group_norm, F.cosine_similarity, torch.cdist),
+    *(torch.logsumexp, T.logsumexp, torch.dist, torch.renorm),
+    *(F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.kl_div, F.nll_loss, F.binary_cross_entropy_with_logits),
+}
+# AT_FORALL_FP32_SET_OPT_DTYPE: run with dtype=float32 (the input is not copied; the output is fp32).
+_CUDA_FP32_SET_DTYPE = {
+    *(F.softmax, torch.softmax, T.softmax, F.log_softmax, torch.log_softmax, T.log_softmax),
+    *(torch.cumsum, T.cumsum, torch.cumprod, T.cumprod, torch.sum, T.sum, torch.prod, T.prod),
+    torch.linalg.vector_norm,
+}
+# AT_FORALL_LOWER_PRECISION_FP entries that CPU autocast does not list.
+_CUDA_LOWER = {torch.einsum, torch.mv, T.mv, torch.addmv, torch.addr}
+
+FLASH_MAX_HEAD_DIM = 256  # aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: check_head_dim_size_flash
+
+
+def cuda_sdpa_backend(q: torch.Tensor, attn_mask: torch.Tensor | None, enable_gqa: bool) -> str:
+    """The backend torch's `sdp_utils.cpp` picks on a recent CUDA GPU (sm80+), in its priority order:
+    flash (16-bit, no arbitrary mask, head dim <= 256 and a multiple of 8), then memory-efficient (any
+    float dtype, masks; no GQA), then the math composite."""
+    head_dim = q.shape[-1]
+    if q.dtype in (torch.bfloat16, torch.float16) and attn_mask is None and head_dim <= FLASH_MAX_HEAD_DIM:
+        if head_dim % 8 == 0:
+            return "flash"
+    if not enable_gqa and head_dim % (4 if q.dtype == torch.float32 else 8) == 0:
+        return "efficient"
+    return "math"
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class _SdpaMemory(torch.autograd.Function):
+    """What CUDA's flash and memory-efficient attention keep and allocate; values are never computed.
+
+    Forward keeps q, k, v, the output and an fp32 log-sum-exp: (B, H, T) for flash, padded to a multiple of 32
+    for memory-efficient (`_efficient_attention_forward`). Backward allocates dq, dk, dv and workspaces:
+    flash-attention-2's `dq_accum`, fp32 (B, H, T rounded to 128, head dim rounded to 32/64) and `softmax_d`
+    (B, H, T rounded); memory-efficient's fp32 `delta` (B, H, T) and, for 16-bit inputs, an fp32 dQ
+    accumulator, plus dK/dV accumulators for head dims over 128 (xformers' kernel_backward.h, kNeedsAccumGrad*)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, backend: str) -> torch.Tensor:
+        b, h, t, _ = q.shape
+        out = q.new_empty((b, h, t, v.shape[-1]))
+        lse = q.new_empty((b, h, t if backend == "flash" else _round_up(t, 32)), dtype=torch.float32)
+        ctx.backend = backend
+        ctx.save_for_backward(q, k, v, out, lse, *(() if mask is None else (mask,)))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v = ctx.saved_tensors[:3]
+        b, h, t, d = q.shape
+        f32 = dict(dtype=torch.float32)
+        if ctx.backend == "flash":
+            d_round = _round_up(d, 32 if d <= 128 else 64)
+            workspace = [
+                q.new_empty((b, h, _round_up(t, 128), d_round), **f32),
+                q.new_empty((b, h, _round_up(t, 128)), **f32),
+            ]
+        else:
+            workspace = [q.new_empty((b, h, t), **f32)]
+            if q.dtype != torch.float32:
+                workspace.append(q.new_empty(q.shape, **f32))
+                if d > 128:
+                    workspace += [k.new_empty(k.shape, **f32), v.new_empty(v.shape, **f32)]
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        del workspace
+        return dq, dk, dv, None, None
+
+
+class CudaKernels(TorchFunctionMode):
+    """Inside a CPU-autocast trace: CUDA autocast's op lists where they differ from CPU's, and SDPA as the
+    kernel CUDA would pick keeps and allocates it (flash/memory-efficient stand-ins; the math composite
+    runs as itself, which is what CUDA runs too)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._sdpa(*args, **kwargs)
+        lower = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+        if lower is not None and func in _CUDA_FP32:
+            args, kwargs = _cast((args, kwargs), torch.float32)
+        elif lower is not None and func in _CUDA_FP32_SET_DTYPE and kwargs.get("dtype") is None:
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if first is not None and first.is_floating_point() and first.dtype != torch.float64:
+                kwargs = {**kwargs, "dtype": torch.float32}
+        elif lower is not None and func in _CUDA_LOWER:
+            args, kwargs = _cast((args, kwargs), lower)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if torch.is_autocast_enabled("cpu"):  # SDPA is on CUDA autocast's lower-precision list
+            (q, k, v), _ = _cast(((q, k, v), {}), torch.get_autocast_dtype("cpu"))
+        backend = cuda_sdpa_backend(q, attn_mask, enable_gqa)
+        if backend == "math":
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa,
+            )  # fmt: skip
+        return _SdpaMemory.apply(q, k, v, attn_mask, backend)
+
+
+def _cast(tree: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors in `tree` (args, kwargs) cast to `dtype`, outside CPU autocast (which would recast)."""
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64:
+            return x.to(dtype)
+        return x
+
+    with torch.autocast("cpu", enabled=False):
+        return pytree.tree_map(cast, tree)
+
+
+__all__ = [
+    "AdamW8bitModel",
+    "CudaKernels",
+    "Linear4bitModel",
+    "cuda_sdpa_backend",
+    "parameter_count",
+    "quantize_base_4bit",
+]

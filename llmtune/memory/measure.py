@@ -211,6 +211,7 @@ class PeakMemoryTracker:
         self.limit_bytes = limit_bytes
         self._counter: LiveStorageCounter | None = None
         self._cuda_peak_after_exit: int | None = None
+        self._cuda_reserved_after_exit: int | None = None
         self._eager: Any = None  # the force_eager stance held while counting on CPU
         self._final_bytes: int | None = None  # live bytes at exit (CPU)
         self.entry_bytes = 0  # live bytes at entry (the baseline); peak_bytes - entry_bytes is the growth
@@ -226,7 +227,7 @@ class PeakMemoryTracker:
                 total = torch.cuda.get_device_properties(self.device).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, self.limit_bytes / total), self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self._cuda_peak_after_exit = None
+            self._cuda_peak_after_exit = self._cuda_reserved_after_exit = None
             self.entry_bytes = torch.cuda.memory_allocated(self.device)
             return self
         self._counter = LiveStorageCounter(limit_bytes=None)
@@ -248,6 +249,7 @@ class PeakMemoryTracker:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
             self._cuda_peak_after_exit = torch.cuda.max_memory_allocated(self.device)
+            self._cuda_reserved_after_exit = torch.cuda.max_memory_reserved(self.device)
             if self.limit_bytes is not None:
                 torch.cuda.set_per_process_memory_fraction(1.0, self.device)
             return
@@ -265,6 +267,16 @@ class PeakMemoryTracker:
                 return self._cuda_peak_after_exit
             return torch.cuda.max_memory_allocated(self.device)
         return self._counter.peak_bytes if self._counter else 0
+
+    @property
+    def peak_reserved_bytes(self) -> int:
+        """What out-of-memory is decided against: on CUDA the caching allocator's reserved peak
+        (`max_memory_reserved`, fragmentation and cached blocks included); on a CPU the live-tensor peak."""
+        if self.is_cuda:
+            if self._cuda_reserved_after_exit is not None:
+                return self._cuda_reserved_after_exit
+            return torch.cuda.max_memory_reserved(self.device)
+        return self.peak_bytes
 
     @property
     def current_bytes(self) -> int:

@@ -28,6 +28,8 @@ class BatchPlan:
 
     `source` says who chose the micro-batch: "recipe", "planner", or "planner, shrunk after out-of-memory".
     A plan from the planner also carries its predicted peak, the budget it fits and the estimate behind it.
+    The predicted peak is what the budget is held against: on CUDA the allocator's reserved bytes
+    (`MemoryEstimate.reserved_bytes`), on a CPU the live tensor bytes.
     """
 
     micro_batch_size: int
@@ -121,10 +123,10 @@ def plan_micro_batch(
     lo, hi = 0, len(candidates) - 1
     best: tuple[int, MemoryEstimate] | None = None
     first = predict(candidates[0])
-    if first.peak_bytes > budget_bytes:
+    if first.reserved_bytes > budget_bytes:
         raise MemoryPlanError(
             f"micro-batch 1 x {seq_len} tokens is predicted to peak at "
-            f"{format_bytes(first.peak_bytes)} ({first.peak_phase}), over the budget of "
+            f"{format_bytes(first.reserved_bytes)} ({first.peak_phase}), over the budget of "
             f"{format_bytes(budget_bytes)}. Try: {', '.join(_remedies(estimate_kwargs))}. Breakdown at the peak: "
             + ", ".join(f"{k}={format_bytes(v)}" for k, v in first.breakdown.items())
         )
@@ -133,7 +135,7 @@ def plan_micro_batch(
     while lo <= hi:
         mid = (lo + hi) // 2
         est = predict(candidates[mid])
-        if est.peak_bytes <= budget_bytes:
+        if est.reserved_bytes <= budget_bytes:
             best = (candidates[mid], est)
             lo = mid + 1
         else:
@@ -144,7 +146,7 @@ def plan_micro_batch(
         grad_accum_steps=global_batch_size // (m * num_processes),
         num_processes=num_processes,
         source="planner",
-        predicted_peak_bytes=est.peak_bytes,
+        predicted_peak_bytes=est.reserved_bytes,
         budget_bytes=budget_bytes,
         estimate=est,
     )
@@ -180,8 +182,8 @@ def default_budget(device: str | torch.device = "cuda") -> int:
 
     CUDA: free memory from `mem_get_info` (the CUDA context, already created by that call, is
     outside it) less 10% of the card + 512 MiB, because the estimate is of
-    `max_memory_allocated`, which leaves out the cuBLAS workspace, NCCL buffers and the caching
-    allocator's fragmentation (reserved minus allocated, typically 5-15% in training).
+    the caching allocator's reserved bytes (`allocator.reserved_peak`), which leave out the cuBLAS
+    workspace and NCCL buffers, and model the allocator without several streams or its retry.
     CPU: MemAvailable less max(1 GiB, 10%): live tensor bytes leave out Python objects, the
     data pipeline, malloc fragmentation, and whatever else the machine runs meanwhile.
     """
@@ -281,6 +283,15 @@ def recipe_for_model(
 # ---------------------------------------------------------------- from a recipe
 
 
+def expandable_segments(recipe: Recipe) -> bool:
+    """Whether CUDA's caching allocator runs with expandable segments: PYTORCH_CUDA_ALLOC_CONF's word, else
+    the recipe's `memory.expandable_segments` (which training then applies)."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments" in conf:
+        return "expandable_segments:true" in conf.replace(" ", "").lower()
+    return recipe.memory.expandable_segments
+
+
 def estimate_settings(
     recipe: Recipe,
     *,
@@ -328,6 +339,7 @@ def estimate_settings(
         sharding=sharding,
         device=device,
         trained_fraction=max(trained_fraction, 1 / recipe.data.max_length),
+        expandable_segments=expandable_segments(recipe),
     )
 
 
@@ -353,7 +365,7 @@ def plan_for_budget(recipe: Recipe, config: Any, settings: dict[str, Any], *, bu
             grad_accum_steps=accum,
             **settings,
         )
-        return BatchPlan(m, accum, num_processes, "recipe", est.peak_bytes, budget_bytes, est)
+        return BatchPlan(m, accum, num_processes, "recipe", est.reserved_bytes, budget_bytes, est)
     return plan_micro_batch(
         config,
         global_batch_size=recipe.training.global_batch_size,
@@ -383,7 +395,9 @@ def format_plan(plan: BatchPlan, title: str) -> str:
         f"predicted peak {format_bytes(plan.predicted_peak_bytes)} of a {format_bytes(plan.budget_bytes)} budget"
         + ("" if plan.fits else ": DOES NOT FIT")
         + (
-            " (tensors only: the CUDA context, cuBLAS/NCCL workspaces and fragmentation are outside it)"
+            f" (reserved by the caching allocator, {format_bytes(e.peak_bytes)} of it in live tensors,"
+            f" expandable segments {'on' if s['expandable_segments'] else 'off'}; the CUDA context and"
+            " cuBLAS/NCCL workspaces are outside it)"
             if s["device"] == "cuda"
             else " (live tensors only: Python objects and the data pipeline are outside it)"
         ),
