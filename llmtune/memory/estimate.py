@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -271,9 +272,11 @@ class _TraceCounter(LiveStorageCounter):
     of the step (embedding, each layer's forward and backward, head and loss, optimizer step),
     so that a trace of a few layers can be extrapolated to many."""
 
-    def __init__(self, trained_fraction: float, **kwargs: Any) -> None:
+    def __init__(self, trained_fraction: float, chunk_rows: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.trained_fraction = trained_fraction
+        self.chunk_rows = chunk_rows
+        self._untraced_rows: dict[int, torch.Tensor] = {}
         self.phase = "forward"  # forward / backward / optimizer_step: where each segment's peak happened
         self.segment: str | None = None
         self.segments: dict[str, _SegmentPeak] = {}
@@ -293,6 +296,26 @@ class _TraceCounter(LiveStorageCounter):
             self.events.append((key, 0))
         super()._release(key)
 
+    def _trained_rows(self, labels_mask: torch.Tensor) -> torch.Tensor:
+        """`nonzero` of the chunked loss's trained-token mask. Its size depends on the data, which fake
+        tensors do not have: the data's `trained_fraction` (1.0, every token, bounds it) gives it.
+
+        The loss then loops over chunks of these rows, each chunk's buffers freed before the next, so the
+        loop's peak is that of its second chunk: rows past two chunks are not traced (at 64k tokens that is
+        hundreds of identical iterations). A stand-in of their size keeps the index tensor's bytes exact."""
+        rows = math.ceil(labels_mask.numel() * self.trained_fraction)
+        traced = min(rows, 2 * self.chunk_rows)
+        out = torch.empty((traced, labels_mask.dim()), dtype=torch.long)
+        self.register(out)
+        if traced < rows:
+            rest = torch.empty(((rows - traced) * labels_mask.dim(),), dtype=torch.long)
+            self.register(rest)
+            # Freed with the index tensor it stands for.
+            self._untraced_rows[id(out.untyped_storage())] = rest
+            key = id(out.untyped_storage())
+            weakref.finalize(out.untyped_storage(), self._untraced_rows.pop, key, None)
+        return out
+
     def set_segment(self, name: str) -> None:
         self.segment = name
         self._check()
@@ -311,12 +334,7 @@ class _TraceCounter(LiveStorageCounter):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.nonzero.default:
-            # Data-dependent size (the chunked loss selecting the trained tokens): fake tensors cannot
-            # know it, so the data tells (DataStats.max_trained_fraction; 1.0, every token, bounds it).
-            rows = math.ceil(args[0].numel() * self.trained_fraction)
-            out = torch.empty((rows, args[0].dim()), dtype=torch.long)
-            self.register(out)
-            return out
+            return self._trained_rows(args[0])
         if func is torch.ops.aten._to_copy.default and self.tag_of(args[0]) == "weights":
             saved, self.tag = self.tag, "autocast_weight_copies"
             try:
@@ -404,7 +422,7 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
             "optimizer_states": nbytes(state_tensors),
         }
 
-        counter = _TraceCounter(s.trained_fraction, round_to=_CUDA_BLOCK if s.device == "cuda" else 1)
+        counter = _TraceCounter(s.trained_fraction, s.chunk_size, round_to=_CUDA_BLOCK if s.device == "cuda" else 1)
         for tag, factor in plan.scale.items():
             counter.set_scale(tag, factor)
         for p in model.parameters():
@@ -502,7 +520,8 @@ def _extrapolate(a: _Trace, la: int, b: _Trace, lb: int, layers: int) -> _Trace:
         by_tag = {t: line(sa.by_tag.get(t, 0), sb.by_tag.get(t, 0)) for t in tags}
         segments[name] = _SegmentPeak(line(sa.bytes, sb.bytes), by_tag, sa.phase)
     totals = {k: line(a.totals[k], b.totals[k]) for k in a.totals}
-    return _Trace(segments, totals, max(0, line(a.reserved_overhead, b.reserved_overhead)))
+    # Rounding to allocator pages and fragmentation: not a per-layer cost; the larger of the two stands.
+    return _Trace(segments, totals, max(a.reserved_overhead, b.reserved_overhead))
 
 
 def estimate(

@@ -158,6 +158,10 @@ def _remedies(settings: dict[str, Any]) -> list[str]:
         ("gradient checkpointing", not settings.get("gradient_checkpointing")),
         ("bf16 (or bf16-true)", not str(settings.get("precision", "")).startswith("bf16")),
         ("LoRA", settings.get("lora") is None),
+        (
+            "QLoRA (a 4-bit base, on a CUDA GPU)",
+            settings.get("lora") is not None and settings["lora"].method != "qlora",
+        ),
         ("a chunked loss", settings.get("loss") != "chunked"),
         ("a shorter max_length", True),
         ("sharding (fsdp/zero) over more processes", True),
@@ -376,6 +380,9 @@ def plan_for_budget(recipe: Recipe, config: Any, settings: dict[str, Any], *, bu
     )
 
 
+_METHOD_NAMES = {"lora": "LoRA", "dora": "DoRA", "qlora": "QLoRA (4-bit NF4 base)"}
+
+
 def format_plan(plan: BatchPlan, title: str) -> str:
     """A readable table: the breakdown at the predicted peak, then the choice."""
     e = plan.estimate
@@ -391,7 +398,7 @@ def format_plan(plan: BatchPlan, title: str) -> str:
         f" {s['num_processes']} process(es), sharding {s['sharding']}",
         f"{s['precision']}, checkpointing {'on' if s['gradient_checkpointing'] else 'off'},"
         f" {s['attn_implementation']} attention, {s['optimizer']}, {s['loss']} loss"
-        + (f", LoRA r={s['lora']['rank']}" if s.get("lora") else ""),
+        + (f", {_METHOD_NAMES[s['lora']['method']]} r={s['lora']['rank']}" if s.get("lora") else ""),
         f"predicted peak {format_bytes(plan.predicted_peak_bytes)} of a {format_bytes(plan.budget_bytes)} budget"
         + ("" if plan.fits else ": DOES NOT FIT")
         + (
