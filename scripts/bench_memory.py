@@ -204,7 +204,7 @@ def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[to
 
 def measure(case: Case, cfg: transformers.PretrainedConfig, accum: int = 1) -> tuple[int, int | None]:
     """Peak bytes of the 2nd real training step (AdamW states exist from the 1st), by StorageHighWater and,
-    without frozen parameters, by PyTorch's MemTracker: (high-water bytes, MemTracker bytes or None)."""
+    where it can run, by PyTorch's MemTracker: (high-water bytes, MemTracker bytes or None)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     step_module, model, opt = build(case, cfg)
@@ -213,8 +213,8 @@ def measure(case: Case, cfg: transformers.PretrainedConfig, accum: int = 1) -> t
     inputs = [v for b in batches for v in b.values()]
     with StorageHighWater(*state_tensors(model, opt), *inputs) as high_water:
         train_step(case, step_module, opt, batches)
-    if not all(p.requires_grad for p in model.parameters()):
-        return high_water.peak, None
+    if accum > 1 or not all(p.requires_grad for p in model.parameters()):
+        return high_water.peak, None  # MemTracker follows one call per module and no frozen parameters
     tracker = MemTracker()
     tracker.track_external(model, opt, *inputs)
     with tracker:

@@ -7,7 +7,7 @@ through the same autograd, autocast and ATen kernels as real ones, the trace kee
 a real CPU step keeps (saved activations, autocast weight copies, fp32 logits, AdamW temporaries)
 for any architecture transformers can build, with no per-architecture formula. Measured against
 real CPU steps it is exact to the byte in most cases (see benchmarks/results/). Deep models are
-traced at 2 and 3 layers (times the layer-kind period) and extrapolated: every segment's peak is
+traced at 1 and 2 layers (times the layer-kind period) and extrapolated: every segment's peak is
 affine in the layer count, so this matches a full trace exactly and a 70B config takes seconds.
 
 The step is the training loop's own: `llmtune.loss.CausalLMWithLoss` (HF or chunked loss) on a
@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from llmtune.loss import CausalLMWithLoss, decoder_of, default_chunk_size
-from llmtune.memory.allocator import reserved_peak
+from llmtune.memory.allocator import LARGE_BUFFER, reserved_peak
 from llmtune.memory.kernels import AdamW8bitModel, CudaKernels, parameter_count, quantize_base_4bit
 from llmtune.memory.measure import LiveStorageCounter
 from llmtune.model import enable_gradient_checkpointing, peft_quietly
@@ -278,7 +278,7 @@ class _TraceCounter(LiveStorageCounter):
         self.chunk_rows = chunk_rows
         self._untraced_rows: dict[int, torch.Tensor] = {}
         self.phase = "forward"  # forward / backward / optimizer_step: where each segment's peak happened
-        self.segment: str | None = None
+        self.segment: tuple[str, ...] = ()
         self.segments: dict[str, _SegmentPeak] = {}
         self.events: list[tuple[int, int]] = []  # (storage, bytes) allocated, (storage, 0) freed, in order
 
@@ -316,21 +316,21 @@ class _TraceCounter(LiveStorageCounter):
             weakref.finalize(out.untyped_storage(), self._untraced_rows.pop, key, None)
         return out
 
-    def set_segment(self, name: str) -> None:
-        self.segment = name
+    def set_segment(self, *names: str) -> None:
+        """Peaks from now on count for `names` (a model's only layer is its first and its last)."""
+        self.segment = names
         self._check()
 
     def _check(self) -> None:
         super()._check()
-        if self.segment is None:
-            return
         now = self.live_bytes + self.extra_bytes
-        seg = self.segments.get(self.segment)
-        if seg is None or now > seg.bytes:
-            by_tag = {k: int(round(v)) for k, v in self._by_tag.items() if v > 0.5}
-            if self.extra_bytes:
-                by_tag["sharding_buffers"] = int(self.extra_bytes)
-            self.segments[self.segment] = _SegmentPeak(int(round(now)), by_tag, self.phase)
+        for name in self.segment:
+            seg = self.segments.get(name)
+            if seg is None or now > seg.bytes:
+                by_tag = {k: int(round(v)) for k, v in self._by_tag.items() if v > 0.5}
+                if self.extra_bytes:
+                    by_tag["sharding_buffers"] = int(self.extra_bytes)
+                self.segments[name] = _SegmentPeak(int(round(now)), by_tag, self.phase)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.nonzero.default:
@@ -437,9 +437,10 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
         for v in batch.values():
             counter.register(v, "inputs")
 
-        def block_name(i: int) -> str:
+        def block_names(i: int, phase: str) -> list[str]:
             block, last = i // period, (len(layers) - 1) // period
-            return "first" if block == 0 else "last" if block == last else "mid"
+            names = (["first"] if block == 0 else []) + (["last"] if block == last else [])
+            return [f"{phase}_{n}" for n in names or ["mid"]]
 
         def on_grad(p: torch.Tensor) -> None:
             counter.retag(p.grad, "gradients")
@@ -458,13 +459,13 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
         def layer_hooks(i: int, layer: torch.nn.Module) -> list[Any]:
             def pre(_m: torch.nn.Module, _args: tuple) -> None:
                 if counter.phase == "forward":
-                    counter.set_segment(f"fwd_{block_name(i)}")
+                    counter.set_segment(*block_names(i, "fwd"))
 
             def post(_m: torch.nn.Module, _args: tuple, out: Any) -> None:
                 hidden = out[0] if isinstance(out, tuple) else out
                 if counter.phase == "forward" and torch.is_tensor(hidden) and hidden.requires_grad:
                     # Fires when backward reaches this layer (its output's gradient is ready).
-                    hidden.register_hook(lambda _g: counter.set_segment(f"bwd_{block_name(i)}"))
+                    hidden.register_hook(lambda _g: counter.set_segment(*block_names(i, "bwd")))
 
             return [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
 
@@ -520,8 +521,10 @@ def _extrapolate(a: _Trace, la: int, b: _Trace, lb: int, layers: int) -> _Trace:
         by_tag = {t: line(sa.by_tag.get(t, 0), sb.by_tag.get(t, 0)) for t in tags}
         segments[name] = _SegmentPeak(line(sa.bytes, sb.bytes), by_tag, sa.phase)
     totals = {k: line(a.totals[k], b.totals[k]) for k in a.totals}
-    # Rounding to allocator pages and fragmentation: not a per-layer cost; the larger of the two stands.
-    return _Trace(segments, totals, max(a.reserved_overhead, b.reserved_overhead))
+    # Rounding to allocator pages and fragmentation are not a per-layer cost: the larger of the two, plus
+    # one large-pool page for the rounding of the extrapolated peak.
+    overhead = max(a.reserved_overhead, b.reserved_overhead) + LARGE_BUFFER
+    return _Trace(segments, totals, overhead)
 
 
 def estimate(
@@ -554,7 +557,7 @@ def estimate(
     `num_processes`/`sharding` divide the sharded states; `"none"` with several processes is
     DDP with its gradient buckets unless `ddp_bucket_view` (gradient_as_bucket_view=True).
     Models with more than `max_traced_layers` layers (in units of the layer-kind period) are
-    traced at 2 and 3 periods and extrapolated linearly in the layer count.
+    traced at 1 and 2 periods and extrapolated linearly in the layer count.
     """
     _validate(precision, optimizer, loss, sharding, device, layout)
     if micro_batch_size < 1 or seq_len < 2:
@@ -586,7 +589,7 @@ def estimate(
         trace = _trace_step(config, s, period)
         traced = [layers]
     else:
-        la, lb = 2 * period, 3 * period
+        la, lb = period, 2 * period
         a = _trace_step(_with_layers(config, la), s, period)
         b = _trace_step(_with_layers(config, lb), s, period)
         trace = _extrapolate(a, la, b, lb, layers)

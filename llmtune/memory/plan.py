@@ -98,7 +98,7 @@ def plan_micro_batch(
     """Largest micro-batch whose estimated peak fits `budget_bytes` and divides the global batch.
 
     The peak grows with the micro-batch (it is affine in it at a fixed length), so a binary
-    search over the allowed micro-batches needs about log2(#divisors) estimates.
+    search over the allowed micro-batches needs about log2(#divisors + 1) estimates.
     """
     candidates = _candidates(global_batch_size, num_processes)
     # Each estimate traces a training step on fake tensors: a second or more on a large config.
@@ -120,26 +120,28 @@ def plan_micro_batch(
             **estimate_kwargs,
         )
 
+    # Binary search over all candidates: ceil(log2(n + 1)) estimates (3 for 1/2/4/8/16/32).
     lo, hi = 0, len(candidates) - 1
     best: tuple[int, MemoryEstimate] | None = None
-    first = predict(candidates[0])
-    if first.reserved_bytes > budget_bytes:
-        raise MemoryPlanError(
-            f"micro-batch 1 x {seq_len} tokens is predicted to peak at "
-            f"{format_bytes(first.reserved_bytes)} ({first.peak_phase}), over the budget of "
-            f"{format_bytes(budget_bytes)}. Try: {', '.join(_remedies(estimate_kwargs))}. Breakdown at the peak: "
-            + ", ".join(f"{k}={format_bytes(v)}" for k, v in first.breakdown.items())
-        )
-    best = (candidates[0], first)
-    lo = 1
+    smallest: MemoryEstimate | None = None
     while lo <= hi:
         mid = (lo + hi) // 2
         est = predict(candidates[mid])
+        if mid == 0:
+            smallest = est
         if est.reserved_bytes <= budget_bytes:
             best = (candidates[mid], est)
             lo = mid + 1
         else:
             hi = mid - 1
+    if best is None:
+        assert smallest is not None  # the search ends below the smallest candidate only after trying it
+        raise MemoryPlanError(
+            f"micro-batch 1 x {seq_len} tokens is predicted to peak at "
+            f"{format_bytes(smallest.reserved_bytes)} ({smallest.peak_phase}), over the budget of "
+            f"{format_bytes(budget_bytes)}. Try: {', '.join(_remedies(estimate_kwargs))}. Breakdown at the peak: "
+            + ", ".join(f"{k}={format_bytes(v)}" for k, v in smallest.breakdown.items())
+        )
     m, est = best
     return BatchPlan(
         micro_batch_size=m,
