@@ -68,16 +68,22 @@ def resolve_precision(requested: str, device_type: str) -> str:
     return choose_precision(requested, device_type)[0]
 
 
+def check_bitsandbytes_device(peft_method: str, optimizer: str, device_type: str) -> str | None:
+    """What needs bitsandbytes (QLoRA's 4-bit base, 8-bit AdamW); refused on a device other than CUDA.
+    The memory estimator refuses the same, in the same words, when planning for a CPU."""
+    what = "peft.method=qlora" if peft_method == "qlora" else "training.optimizer=adamw_8bit"
+    if (peft_method == "qlora" or optimizer == "adamw_8bit") and device_type != "cuda":
+        raise SetupError(
+            f"{what} needs bitsandbytes on a CUDA GPU; a CPU cannot run it. Use peft.method=lora"
+            " (16-bit base weights) and training.optimizer=adamw there."
+        )
+    return what if peft_method == "qlora" or optimizer == "adamw_8bit" else None
+
+
 def check_requirements(recipe: Recipe, device_type: str) -> None:
     """Refuse, before any download or model load, what needs hardware or packages this machine lacks."""
-    needs_bnb = recipe.peft.method == "qlora" or recipe.training.optimizer == "adamw_8bit"
-    if needs_bnb:
-        what = "peft.method=qlora" if recipe.peft.method == "qlora" else "training.optimizer=adamw_8bit"
-        if device_type != "cuda":
-            raise SetupError(
-                f"{what} needs bitsandbytes on a CUDA GPU, and this machine has none. Use peft.method=lora"
-                " (16-bit base weights) and training.optimizer=adamw here."
-            )
+    what = check_bitsandbytes_device(recipe.peft.method, recipe.training.optimizer, device_type)
+    if what is not None:
         if importlib.util.find_spec("bitsandbytes") is None:
             raise SetupError(f"{what} needs bitsandbytes: pip install bitsandbytes")
 

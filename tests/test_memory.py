@@ -474,3 +474,20 @@ def test_cuda_plan_keeps_no_attention_matrix_under_dropout() -> None:
     cpu, cuda = estimate(cfg, device="cpu", **kw), estimate(cfg, device="cuda", **kw)
     probabilities = 4 * 4 * 256 * 256 * 2  # one layer's bf16 (B, H, T, T)
     assert cpu.peak_bytes - cuda.peak_bytes > probabilities
+
+
+def test_bitsandbytes_settings_planned_for_a_cpu_are_refused_as_training_refuses_them() -> None:
+    from llmtune.model import SetupError, check_bitsandbytes_device
+
+    kw = dict(micro_batch_size=1, seq_len=32, precision="fp32", gradient_checkpointing=False, device="cpu")
+    for estimate_kw, training_args in (
+        (dict(lora=LoraSpec(method="qlora")), ("qlora", "adamw")),
+        (dict(optimizer="adamw_8bit"), ("none", "adamw_8bit")),
+    ):
+        with pytest.raises(SetupError) as training:
+            check_bitsandbytes_device(*training_args, "cpu")
+        with pytest.raises(SetupError) as estimating:
+            estimate(tiny_config("llama"), **kw, **estimate_kw)
+        assert str(estimating.value) == str(training.value) and "needs bitsandbytes on a CUDA GPU" in str(
+            training.value
+        )

@@ -125,9 +125,10 @@ def _build_model(config: Any, s: _Settings) -> torch.nn.Module:
     """The model as `llmtune.model.load_model` builds it for training, on fake tensors."""
     from transformers import AutoModelForCausalLM
 
-    from llmtune.model import check_attn_implementation
+    from llmtune.model import check_attn_implementation, check_bitsandbytes_device
 
     check_attn_implementation(config, s.attn_implementation, installed=False)
+    check_bitsandbytes_device(s.lora.method if s.lora else "none", s.optimizer, s.device)
     cfg = copy.deepcopy(config)
     cfg.use_cache = False
     dtype = torch.bfloat16 if s.precision == "bf16-true" else torch.float32
