@@ -51,6 +51,12 @@ def launched_engine() -> Engine:
     if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         if env.get("FSDP_VERSION", "1") != "2":
             raise SetupError("the launcher's FSDP config asks for FSDP1; llmtune runs FSDP2: set fsdp_version: 2")
+        for key, why in (
+            ("FSDP_OFFLOAD_PARAMS", "fsdp_offload_params: llmtune's FSDP2 keeps parameters on the device"),
+            ("FSDP_ACTIVATION_CHECKPOINTING", "fsdp_activation_checkpointing: use training.gradient_checkpointing"),
+        ):
+            if env.get(key, "false").lower() == "true":
+                raise SetupError(f"the launcher's FSDP config sets {why}")
         return "fsdp2"
     return "ddp"
 
@@ -80,9 +86,11 @@ def shard_fsdp2(model: torch.nn.Module, precision: str) -> None:
         raise SetupError("training.precision=fp16 under FSDP2 is not supported; use bf16 (or fp32)")
     compute = {"bf16": torch.bfloat16}.get(precision)
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
+    # fsdp_reshard_after_forward: false keeps each block gathered from forward to backward (ZeRO-2 like).
+    reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() != "false"
     blocks = decoder_blocks(model)
     for block in blocks:
-        fully_shard(block, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
     # The root keeps its parameters gathered after forward: backward needs them at once.
     fully_shard(model, mp_policy=policy, reshard_after_forward=False)
     log.info("FSDP2: %d %s blocks and the root sharded", len(blocks), type(blocks[0]).__name__)
