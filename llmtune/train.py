@@ -160,8 +160,8 @@ def build(recipe: Recipe) -> Run:
     )
     engine = parallel.launched_engine()
     accelerator, precision, precision_why = make_accelerator(recipe, engine)
-    if engine == "fsdp2" and accelerator.num_processes == 1:
-        engine = "ddp"  # nothing to shard across: one plain process
+    if engine == "fsdp2" and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        engine = "ddp"  # one process without a process group (on CPUs): nothing to shard across
     resume_from = checkpoint_to_resume(recipe)
     set_seed(recipe.seed)
     tokenizer = load_tokenizer(recipe.model)
@@ -173,7 +173,7 @@ def build(recipe: Recipe) -> Run:
     trainable, total = count_parameters(model)
     flops = model_flops(model)
     wrapped = CausalLMWithLoss(model, loss_impl)
-    if engine == "fsdp2" and accelerator.num_processes > 1:
+    if engine == "fsdp2":
         parallel.shard_fsdp2(wrapped, precision)  # before the optimizer, which must hold the shards
     optimizer = make_optimizer(wrapped, recipe, accelerator.device)
     if parallel.is_deepspeed(engine):
