@@ -510,6 +510,14 @@ def stop_after_out_of_memory(run: Run, where: str, per_process: int) -> NoReturn
     after 30 s; a process waiting on a gloo peer that exited fails at once). `checkpoint.resume: auto`
     continues from the last checkpoint with the smaller micro-batch.
     """
+    if run.plan.micro_batch_size == 1:
+        log.error(
+            "process %d: out of memory in the %s at micro-batch 1; nothing left to shrink (see `llmtune estimate`)",
+            run.accelerator.process_index,
+            where,
+        )
+        logging.shutdown()
+        os._exit(1)
     plan = shrink_plan(run.plan, per_process)
     path = Path(run.recipe.output_dir) / OOM_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
