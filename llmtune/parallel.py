@@ -130,7 +130,9 @@ def is_deepspeed(engine: Engine) -> bool:
 def micro_step(acc: Accelerator, engine: Engine, model: torch.nn.Module, last: bool) -> Iterator[None]:
     """Around one micro-batch's forward and backward: gradients are synchronised on the window's last only.
 
-    DDP skips its all-reduce (`no_sync`); DeepSpeed is told where its accumulation boundary is. FSDP2
+    DDP skips its all-reduce (`no_sync`); DeepSpeed is told where its accumulation boundary is (it then
+    updates inside the last backward, before the loop sees the window's loss: under DeepSpeed a non-finite
+    loss is counted but not kept out of the update, except by fp16's own loss scaler). FSDP2
     reduce-scatters every micro-batch into the sharded gradients: skipping that would keep whole
     unsharded gradients alive (DDP's memory), which is what sharding is for.
     """
