@@ -150,6 +150,28 @@ def test_two_processes_equal_one(engine, method, reference, model_dir, tiny_data
     assert [p.name for p in checkpoint.complete_checkpoints(tmp_path / "run")] == ["step-000002", "step-000004"]
 
 
+def test_fsdp2_bf16_through_its_mixed_precision_policy(reference, model_dir, tiny_data, tmp_path):
+    """bf16 under FSDP2 is FSDP2's MixedPrecisionPolicy (bf16 compute from gathered shards, fp32 reduction), not
+    autocast: it must still train as one process under autocast does, to bf16's precision."""
+    recipe = write_recipe(tmp_path, model_dir, tiny_data, "none", "fsdp2")
+    one = train(load_recipe(recipe, ["training.precision=bf16", f"output_dir={tmp_path / 'one'}"]))
+    proc = subprocess.run(
+        launch(recipe, tmp_path / "run", "fsdp2", "training.precision=bf16"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
+    assert (summary["engine"], summary["precision"], one["precision"]) == ("fsdp2", "bf16", "bf16")
+    got, want = losses(tmp_path / "run"), losses(tmp_path / "one")
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-3), step
+    fp32 = losses(reference["none"][0])  # and it did compute in bf16: the losses are not fp32's
+    assert max(abs(got[step] - fp32[step]) for step in fp32) > 1e-5
+
+
 def kill_after_checkpoint(cmd: list[str], ready: Path, timeout: float = 300) -> None:
     """Start a launch whose workers sleep once `ready` exists (PAUSING_ENTRY), then SIGKILL them all."""
     proc = subprocess.Popen(
