@@ -2,7 +2,9 @@
 
 Layout: `output_dir/checkpoints/step-000120/` holds Accelerate's state (model or adapter, optimizer,
 loss scaler, the scheduler, every process's RNG states) plus `trainer_state.json` (step, data position,
-memory plan, counters) and `recipe.yaml`. A checkpoint is written under a hidden temporary name and
+memory plan, counters) and `recipe.yaml`. Under FSDP2 the model and optimizer are in `sharded/` instead, one
+file per process (`torch.distributed.checkpoint`); DeepSpeed writes its own per-process files through
+Accelerate. A checkpoint is written under a hidden temporary name and
 renamed only when complete, so a process killed mid-save leaves the previous one untouched; old ones
 are pruned only after the new one is in place. `final/` is written the same way.
 """
@@ -15,9 +17,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from accelerate import Accelerator
 
+from llmtune import parallel
 from llmtune.files import replace_dir
 from llmtune.recipe import flatten
 
@@ -75,13 +79,27 @@ def _fresh_tmp(accelerator: Accelerator, parent: Path, name: str) -> Path:
 
 
 def save_checkpoint(
-    accelerator: Accelerator, output_dir: str | Path, step: int, state: dict[str, Any], recipe_yaml: str, keep_last: int
+    accelerator: Accelerator,
+    output_dir: str | Path,
+    step: int,
+    state: dict[str, Any],
+    recipe_yaml: str,
+    keep_last: int,
+    *,
+    engine: parallel.Engine,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainable_only: bool,
 ) -> Path:
     """Save everything a resume needs (all processes must call this), then prune old checkpoints."""
     root = checkpoints_root(output_dir)
     name = f"step-{step:06d}"
     tmp = _fresh_tmp(accelerator, root, name)
-    accelerator.save_state(str(tmp))
+    if engine == "fsdp2":
+        parallel.save_sharded(model, optimizer, tmp, trainable_only)
+    # DeepSpeed's engine leaves the frozen base out itself (save_trainable_only covers the others).
+    kwargs = {"exclude_frozen_parameters": trainable_only} if parallel.is_deepspeed(engine) else {}
+    accelerator.save_state(str(tmp), **kwargs)
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         (tmp / "recipe.yaml").write_text(recipe_yaml)
@@ -99,6 +117,9 @@ def save_trainable_only(accelerator: Accelerator) -> None:
     where it was loaded (or, for random_init, from the seed), not from a multi-GB copy per checkpoint."""
 
     def drop_frozen(models: list, weights: list[dict[str, Any]], output_dir: str) -> None:
+        # DeepSpeed and FSDP2 hand Accelerate no weights: they save through their own paths (save_checkpoint).
+        if not weights:
+            return
         for model, state in zip(models, weights, strict=True):
             trainable = {name for name, p in model.named_parameters() if p.requires_grad}
             for key in [k for k in state if k not in trainable]:
@@ -107,9 +128,20 @@ def save_trainable_only(accelerator: Accelerator) -> None:
     accelerator.register_save_state_pre_hook(drop_frozen)
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path, *, trainable_only: bool = False) -> dict[str, Any]:
-    # strict=False only when the checkpoint was saved without the frozen base (save_trainable_only).
-    accelerator.load_state(str(path), strict=not trainable_only)
+def load_checkpoint(
+    accelerator: Accelerator,
+    path: Path,
+    engine: parallel.Engine,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    trainable_only: bool = False,
+) -> dict[str, Any]:
+    # Not strict only when the checkpoint was saved without the frozen base (save_trainable_only).
+    if engine == "fsdp2":
+        parallel.load_sharded(model, optimizer, path, trainable_only)
+    strict = {"load_module_strict" if parallel.is_deepspeed(engine) else "strict": not trainable_only}
+    accelerator.load_state(str(path), **strict)
     return json.loads((path / STATE_FILE).read_text())
 
 
@@ -133,7 +165,15 @@ def continuity_problems(saved: dict[str, Any], current: dict[str, Any]) -> tuple
     return breaking, harmless
 
 
-def save_final(accelerator: Accelerator, model, tokenizer, output_dir: str | Path, *, save_base: bool = False) -> Path:
+def save_final(
+    accelerator: Accelerator,
+    engine: parallel.Engine,
+    model,
+    tokenizer,
+    output_dir: str | Path,
+    *,
+    save_base: bool = False,
+) -> Path:
     """Write `final/` atomically: a loadable `save_pretrained` model (or adapter) plus the tokenizer.
 
     `save_base` also writes the frozen base under `final/base/`: a randomly initialised base exists on
@@ -141,8 +181,8 @@ def save_final(accelerator: Accelerator, model, tokenizer, output_dir: str | Pat
     """
     out = Path(output_dir)
     tmp = _fresh_tmp(accelerator, out, "final")
-    # get_state_dict gathers full weights from FSDP / ZeRO-3 shards; every process must take part.
-    state_dict = accelerator.get_state_dict(model)
+    # Gathers full weights from FSDP2 / ZeRO-3 shards; every process must take part.
+    state_dict = parallel.full_state_dict(accelerator, engine, model)
     if accelerator.is_main_process:
         inner = accelerator.unwrap_model(model).model
         weights = _strip_prefix(state_dict, "model.")

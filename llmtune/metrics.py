@@ -34,6 +34,7 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from llmtune.model import numel
 from llmtune.recipe import flatten
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def model_flops(model: torch.nn.Module) -> ModelFlops:
     head = list(model.get_output_embeddings().parameters())
     head_ids = {id(p) for p in head}
     body = [p for p in model.parameters() if id(p) not in embedding | head_ids]  # tied weights come once
-    decoder = sum((6 if p.requires_grad else 4) * p.numel() for p in body)
+    decoder = sum((6 if p.requires_grad else 4) * numel(p) for p in body)
     head_flops = (6 if any(p.requires_grad for p in head) else 4) * config.vocab_size * config.hidden_size
     attention = 12 * config.num_hidden_layers * config.hidden_size
     return ModelFlops(float(decoder), float(head_flops), float(attention))

@@ -213,18 +213,25 @@ def compile_blocks(model: torch.nn.Module) -> int:
     loss (data-dependent chunking) and the embeddings stay eager. It pays on blocks with enough elementwise
     work, after a one-off compile (scripts/bench_compile.py; figures in benchmarks/results/measurements.md).
     """
-    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(hf_model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if not blocks:
-        raise SetupError(
-            f"training.compile: found no decoder blocks to compile in {type(hf_model).__name__}"
-            " (no _no_split_modules); set training.compile: false"
-        )
+    blocks = decoder_blocks(model, purpose="training.compile", remedy="set training.compile: false")
     for block in blocks:
         block.compile()
     log.info("compiled %d %s blocks (torch.compile, one shared graph)", len(blocks), type(blocks[0]).__name__)
     return len(blocks)
+
+
+def decoder_blocks(
+    model: torch.nn.Module, purpose: str = "FSDP2", remedy: str = "use another launcher config"
+) -> list[torch.nn.Module]:
+    """The repeated decoder blocks: the classes transformers never splits across devices (`_no_split_modules`,
+    e.g. LlamaDecoderLayer), also inside a peft model or a wrapper around one."""
+    found = [m for m in model.modules() if getattr(m, "_no_split_modules", None)]
+    names = set(found[0]._no_split_modules) if found else set()
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        name = type(found[0]).__name__ if found else type(model).__name__
+        raise SetupError(f"{purpose}: found no decoder blocks in {name} (no _no_split_modules); {remedy}")
+    return blocks
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel, context_fn: Callable | None = None) -> None:
@@ -276,4 +283,9 @@ def apply_peft(model: PreTrainedModel, cfg: PeftConfig, *, gradient_checkpointin
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts; `parameters()` yields tied weights once."""
     params = list(model.parameters())
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+    return sum(numel(p) for p in params if p.requires_grad), sum(numel(p) for p in params)
+
+
+def numel(p: torch.Tensor) -> int:
+    """Elements of a parameter, also under DeepSpeed ZeRO-3 (which leaves an empty tensor in the module)."""
+    return getattr(p, "ds_numel", p.numel())

@@ -10,6 +10,7 @@ window on all processes, so the update is the same whatever the micro-batch or p
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -17,14 +18,14 @@ import signal
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import set_seed
 
-from llmtune import checkpoint
+from llmtune import checkpoint, parallel
 from llmtune.data import PreparedData, batch_for_step, collate, eval_batches, prepare_data, squared_lengths
 from llmtune.loss import CausalLMWithLoss, resolve_loss_impl
 from llmtune.memory.measure import PeakMemoryTracker
@@ -45,6 +46,7 @@ from llmtune.recipe import Recipe, dump_recipe
 log = logging.getLogger(__name__)
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the run saved a checkpoint and stopped on a signal; relaunch to resume.
+OOM_FILE = "out_of_memory.json"  # the micro-batch to resume with after an out-of-memory stop
 
 
 class PlanError(ValueError):
@@ -65,7 +67,8 @@ class Run:
     precision_why: str  # shown in the setup log: `auto` differs between machines
     tokenizer: Any
     data: PreparedData
-    model: torch.nn.Module  # CausalLMWithLoss, prepared by Accelerate (DDP/FSDP-wrapped when launched so)
+    model: torch.nn.Module  # CausalLMWithLoss: DDP/DeepSpeed-prepared by Accelerate, or FSDP2-sharded
+    engine: parallel.Engine
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     plan: BatchPlan
@@ -80,7 +83,13 @@ class Run:
 
 
 def make_plan(
-    recipe: Recipe, config: Any, precision: str, loss_impl: str, acc: Accelerator, trained_fraction: float = 1.0
+    recipe: Recipe,
+    config: Any,
+    precision: str,
+    loss_impl: str,
+    acc: Accelerator,
+    engine: parallel.Engine,
+    trained_fraction: float = 1.0,
 ) -> BatchPlan:
     """The recipe's micro-batch, or (`auto`) the largest the memory estimate fits into the budget."""
     t, n = recipe.training, acc.num_processes
@@ -102,26 +111,19 @@ def make_plan(
         recipe,
         loss=loss_impl,
         device=device,
-        sharding=sharding_of(acc),
+        sharding=parallel.SHARDING[engine],
         precision=precision,
         trained_fraction=trained_fraction,
     )
     return plan_for_budget(recipe, config, settings, budget_bytes=budget, num_processes=n)
 
 
-def sharding_of(acc: Accelerator) -> str:
-    if acc.distributed_type == DistributedType.FSDP:
-        return "fsdp"
-    if acc.distributed_type == DistributedType.DEEPSPEED:
-        return {2: "zero2", 3: "zero3"}.get(acc.state.deepspeed_plugin.zero_stage, "none")
-    return "none"
-
-
-def shrink_plan(plan: BatchPlan, per_process: int) -> BatchPlan:
-    """After an out-of-memory error: the largest micro-batch <= half that still divides the batch."""
+def shrink_plan(plan: BatchPlan, per_process: int, at_most: int | None = None) -> BatchPlan:
+    """After an out-of-memory error: the largest micro-batch <= half (or `at_most`) that divides the batch."""
     if plan.micro_batch_size == 1:
         raise TrainingError("out of memory at micro-batch 1; nothing left to shrink (see `llmtune estimate`)")
-    micro = max(d for d in range(1, plan.micro_batch_size // 2 + 1) if per_process % d == 0)
+    limit = plan.micro_batch_size // 2 if at_most is None else at_most
+    micro = max(d for d in range(1, limit + 1) if per_process % d == 0)
     return replace(
         plan,
         micro_batch_size=micro,
@@ -133,7 +135,7 @@ def shrink_plan(plan: BatchPlan, per_process: int) -> BatchPlan:
 # ---------------------------------------------------------------- setup
 
 
-def make_accelerator(recipe: Recipe) -> tuple[Accelerator, str, str]:
+def make_accelerator(recipe: Recipe, engine: parallel.Engine) -> tuple[Accelerator, str, str]:
     """Accelerator with the recipe's precision (and why that one); the recipe wins over an Accelerate config."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     check_requirements(recipe, device_type)
@@ -148,20 +150,11 @@ def make_accelerator(recipe: Recipe) -> tuple[Accelerator, str, str]:
     AcceleratorState._reset_state()
     accelerator = Accelerator(
         mixed_precision=mixed,
-        # Without cpu=True a CPU-only multi-process launch trains each process alone (platform notes).
-        cpu=device_type == "cpu",
         log_with=recipe.logging.report_to or None,
         project_dir=recipe.output_dir,
+        **parallel.accelerator_kwargs(engine, device_type),
     )
-    for flag, name in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")):
-        if os.environ.get(flag, "").lower() == "true" and accelerator.distributed_type.value != name:
-            # Accelerate builds FSDP/DeepSpeed only on accelerators; on CPUs it silently falls back.
-            log.warning(
-                "the launcher asked for %s, which Accelerate runs only on GPUs; this run is %s",
-                name,
-                accelerator.distributed_type.value,
-            )
-    if sharding_of(accelerator) == "zero3" and recipe.peft.method != "none" and recipe.training.gradient_checkpointing:
+    if engine == "zero3" and recipe.peft.method != "none" and recipe.training.gradient_checkpointing:
         # ZeRO-3 frees partitioned weights that non-reentrant recomputation then needs (a known
         # DeepSpeed/peft failure); refuse it here rather than at the first backward.
         raise SetupError(
@@ -179,7 +172,10 @@ def build(recipe: Recipe) -> Run:
         "llmtune run -> %s (recipe.yaml, metrics.jsonl, run_summary.json, checkpoints/, final/)",
         Path(recipe.output_dir).resolve(),
     )
-    accelerator, precision, precision_why = make_accelerator(recipe)
+    engine = parallel.launched_engine()
+    accelerator, precision, precision_why = make_accelerator(recipe, engine)
+    if engine == "fsdp2" and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        engine = "ddp"  # one process without a process group (on CPUs): nothing to shard across
     resume_from = checkpoint_to_resume(recipe)
     set_seed(recipe.seed)
     tokenizer = load_tokenizer(recipe.model)
@@ -187,16 +183,31 @@ def build(recipe: Recipe) -> Run:
     config = load_config(recipe.model)
     model = load_model(recipe, precision, config, accelerator.device)
     loss_impl = resolve_loss_impl(recipe.training.loss, config)
-    plan = make_plan(recipe, config, precision, loss_impl, accelerator, data.stats.max_trained_fraction)
+    plan = make_plan(recipe, config, precision, loss_impl, accelerator, engine, data.stats.max_trained_fraction)
+    trainable, total = count_parameters(model)
+    flops = model_flops(model)
     wrapped = CausalLMWithLoss(model, loss_impl)
+    if engine == "fsdp2":
+        parallel.shard_fsdp2(wrapped, precision)  # before the optimizer, which must hold the shards
     optimizer = make_optimizer(wrapped, recipe, accelerator.device)
+    if parallel.is_deepspeed(engine):
+        parallel.configure_deepspeed(
+            accelerator,
+            plan.micro_batch_size,
+            plan.grad_accum_steps,
+            recipe.training.max_grad_norm,
+            config.get_text_config().hidden_size,
+        )
+    if engine != "fsdp2":
+        # FSDP2 is applied above; Accelerate would wrap the sharded model in DDP on top. Its model and
+        # optimizer are checkpointed with torch.distributed.checkpoint (checkpoint.save_checkpoint).
+        wrapped, optimizer = accelerator.prepare(wrapped, optimizer)
+    # On the prepared optimizer's groups: ZeRO-3 regroups the parameters it partitions.
     scheduler = make_scheduler(optimizer, recipe)
-    wrapped, optimizer = accelerator.prepare(wrapped, optimizer)
     # Not prepared: Accelerate would step a prepared scheduler once per process per optimizer step.
     accelerator.register_for_checkpointing(scheduler)
     if recipe.peft.method != "none":
         checkpoint.save_trainable_only(accelerator)
-    trainable, total = count_parameters(model)
     peak, peak_source = peak_flops(accelerator.device, precision)
     run = Run(
         recipe=recipe,
@@ -206,15 +217,20 @@ def build(recipe: Recipe) -> Run:
         tokenizer=tokenizer,
         data=data,
         model=wrapped,
+        engine=engine,
         optimizer=optimizer,
         scheduler=scheduler,
         plan=plan,
-        flops=model_flops(model),
+        flops=flops,
         peak_flops=peak,
         peak_flops_source=peak_source,
     )
     if resume_from is not None:
         resume(run, resume_from)
+    limit = out_of_memory_limit(recipe.output_dir)
+    if limit is not None and limit < run.plan.micro_batch_size:
+        run.plan = shrink_plan(run.plan, run.plan.micro_batch_size * run.plan.grad_accum_steps, at_most=limit)
+        log.info("an earlier run stopped out of memory: micro-batch %d", run.plan.micro_batch_size)
     log_setup(run, trainable, total)
     return run
 
@@ -262,7 +278,9 @@ def checkpoint_to_resume(r: Recipe) -> Path | None:
 
 
 def resume(run: Run, path: Path) -> None:
-    state = checkpoint.load_checkpoint(run.accelerator, path, trainable_only=run.recipe.peft.method != "none")
+    state = checkpoint.load_checkpoint(
+        run.accelerator, path, run.engine, run.model, run.optimizer, trainable_only=run.recipe.peft.method != "none"
+    )
     run.start_step = state["step"]
     run.counters.update(state["counters"])
     run.plan = BatchPlan.from_state(state["plan"])
@@ -273,8 +291,8 @@ def log_setup(run: Run, trainable: int, total: int) -> None:
     r, p = run.recipe, run.plan
     lines = [
         f"model          {r.model.name_or_path} ({total / 1e6:.1f}M params, {trainable / 1e6:.2f}M trainable)",
-        f"launch         {run.accelerator.distributed_type.value} x {run.accelerator.num_processes} on "
-        f"{run.accelerator.device}",
+        f"launch         {run.engine} ({run.accelerator.distributed_type.value}) x {run.accelerator.num_processes}"
+        f" on {run.accelerator.device}",
         f"precision      {run.precision} ({run.precision_why})",
         f"checkpointing  {'on' if r.training.gradient_checkpointing else 'off'}",
         f"batch          global {r.training.global_batch_size} = micro {p.micro_batch_size} x accumulation "
@@ -398,7 +416,10 @@ def fit(run: Run) -> dict[str, Any]:
             )
             eval_now = r.training.eval_every_n_steps and step % r.training.eval_every_n_steps == 0
             if run.data.eval is not None and (eval_now or step == r.training.max_steps):
-                eval_loss = evaluate(run)
+                try:
+                    eval_loss = evaluate(run)
+                except torch.OutOfMemoryError:
+                    stop_after_out_of_memory(run, "evaluation", len(examples))
                 metrics.log_eval(step, eval_loss)
             stop = preemption_requested(acc, preemption)
             # A step whose loss was non-finite is not checkpointed: the last good checkpoint stays newest.
@@ -409,7 +430,7 @@ def fit(run: Run) -> dict[str, Any]:
                 metrics.close()
                 return {"preempted_at_step": step}
     save_base = r.model.random_init and r.peft.method != "none"
-    final = checkpoint.save_final(acc, model, run.tokenizer, out, save_base=save_base)
+    final = checkpoint.save_final(acc, run.engine, model, run.tokenizer, out, save_base=save_base)
     peaks = {"peak_memory_bytes": steady_peak, "peak_reserved_bytes": steady_reserved}
     summary = run_summary(run, metrics, peaks, time.perf_counter() - started, step, eval_loss, final)
     metrics.close(summary)
@@ -451,8 +472,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
 
 
 def train_step(run: Run, examples: list[dict]) -> StepResult | None:
-    """One optimizer step over this process's examples, or None when any process ran out of memory (the
-    plan was shrunk)."""
+    """One optimizer step over this process's examples, or None when it ran out of memory in a forward or
+    backward and the plan was shrunk (one process; with several, `stop_after_out_of_memory`)."""
     acc, model, m = run.accelerator, run.model, run.plan.micro_batch_size
     micro_batches = [collate_for(run, examples[i : i + m]) for i in range(0, len(examples), m)]
     # Loss is summed per token and divided by the trained tokens of the whole window on all processes,
@@ -470,14 +491,15 @@ def train_step(run: Run, examples: list[dict]) -> StepResult | None:
         for i, batch in enumerate(micro_batches):
             batch = {k: v.to(acc.device) for k, v in batch.items()}
             last = i == len(micro_batches) - 1
-            # Gradients are all-reduced only on the window's last micro-batch.
-            with contextlib.nullcontext() if last else acc.no_sync(model):
+            with parallel.micro_step(acc, run.engine, model, last):
                 token_loss = model(**batch)
-                acc.backward(token_loss * scale)
+                parallel.backward(acc, run.engine, token_loss * scale)
             loss_sum += token_loss.detach().float()
     except torch.OutOfMemoryError:
+        if acc.num_processes > 1:
+            stop_after_out_of_memory(run, "forward/backward", len(examples))
         oom = True
-    if bool(acc.reduce(torch.tensor(int(oom), device=acc.device), reduction="sum")):
+    if oom:  # nothing was updated yet: the same step is redone with smaller micro-batches
         run.optimizer.zero_grad(set_to_none=True)
         run.plan = shrink_plan(run.plan, len(examples))
         log.warning(
@@ -487,11 +509,54 @@ def train_step(run: Run, examples: list[dict]) -> StepResult | None:
     loss = float(acc.reduce(loss_sum, reduction="sum")) / max(total, 1)
     grad_norm, overflow = float("nan"), False
     if math.isfinite(loss):
-        if run.recipe.training.max_grad_norm > 0:
-            grad_norm = float(acc.clip_grad_norm_(model.parameters(), run.recipe.training.max_grad_norm))
-        overflow = optimizer_step(run.optimizer, acc.scaler)
+        try:
+            grad_norm = parallel.clip_grad_norm(acc, run.engine, model, run.recipe.training.max_grad_norm)
+            overflow = optimizer_step(run.optimizer, acc.scaler)
+        except torch.OutOfMemoryError:  # the weights may be half-updated: only the last checkpoint is sound
+            stop_after_out_of_memory(run, "clipping/optimizer step", len(examples))
     run.optimizer.zero_grad(set_to_none=True)
     return StepResult(loss, total, run.flops.step(processed, total, squares), grad_norm, overflow)
+
+
+def stop_after_out_of_memory(run: Run, where: str, per_process: int) -> NoReturn:
+    """Out of memory where the run cannot simply redo the step: stop every process, never hang.
+
+    With several processes the others may already wait in a collective (a gradient all-reduce, an FSDP2 or
+    ZeRO-3 all-gather) that this process will never join, so no agreement is possible any more. This
+    process records the smaller micro-batch in `out_of_memory.json` (read by `build` when the same command
+    resumes) and exits at once with 75; the launcher then stops the others (torchrun: SIGTERM, SIGKILL
+    after 30 s; a process waiting on a gloo peer that exited fails at once). `checkpoint.resume: auto`
+    continues from the last checkpoint with the smaller micro-batch.
+    """
+    if run.plan.micro_batch_size == 1:
+        log.error(
+            "process %d: out of memory in the %s at micro-batch 1; nothing left to shrink (see `llmtune estimate`)",
+            run.accelerator.process_index,
+            where,
+        )
+        logging.shutdown()
+        os._exit(1)
+    plan = shrink_plan(run.plan, per_process)
+    path = Path(run.recipe.output_dir) / OOM_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"micro_batch_size": plan.micro_batch_size, "where": where}) + "\n")
+    log.error(
+        "process %d: out of memory in the %s at micro-batch %d; stopping all processes (exit %d). Run the same"
+        " command with checkpoint.resume=auto: it continues from the last checkpoint with micro-batch %d.",
+        run.accelerator.process_index,
+        where,
+        run.plan.micro_batch_size,
+        EXIT_PREEMPTED,
+        plan.micro_batch_size,
+    )
+    logging.shutdown()
+    os._exit(EXIT_PREEMPTED)  # not an exception: unwinding could wait on the peers' collectives
+
+
+def out_of_memory_limit(output_dir: str) -> int | None:
+    """The micro-batch an earlier out-of-memory stop asked for (stop_after_out_of_memory), if any."""
+    path = Path(output_dir) / OOM_FILE
+    return json.loads(path.read_text())["micro_batch_size"] if path.is_file() else None
 
 
 @torch.no_grad()
@@ -520,7 +585,16 @@ def preemption_requested(acc: Accelerator, preemption: Preemption) -> bool:
 def save(run: Run, step: int) -> None:
     state = {"step": step, "counters": run.counters, "plan": run.plan.state()}
     checkpoint.save_checkpoint(
-        run.accelerator, run.recipe.output_dir, step, state, dump_recipe(run.recipe), run.recipe.checkpoint.keep_last
+        run.accelerator,
+        run.recipe.output_dir,
+        step,
+        state,
+        dump_recipe(run.recipe),
+        run.recipe.checkpoint.keep_last,
+        engine=run.engine,
+        model=run.model,
+        optimizer=run.optimizer,
+        trainable_only=run.recipe.peft.method != "none",
     )
 
 
@@ -540,6 +614,10 @@ def run_summary(
         "micro_batch_size": run.plan.micro_batch_size,
         "grad_accum_steps": run.plan.grad_accum_steps,
         "num_processes": run.plan.num_processes,
+        "engine": run.engine,
+        "optimizer_updates": parallel.optimizer_updates(run.optimizer),
+        # This (the main) process's parameter bytes: its shards under FSDP2 and ZeRO-3.
+        "local_parameter_bytes": parallel.local_parameter_bytes(run.model),
         "global_batch_size": run.recipe.training.global_batch_size,
         "steps": step,
         "trained_tokens": trained,

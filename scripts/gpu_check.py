@@ -622,7 +622,7 @@ def launch_smoke(ctx: Ctx, out: dict, config_file: str) -> None:
 
 def section_fsdp2(ctx: Ctx, out: dict) -> None:
     launch_smoke(ctx, out, "recipes/accelerate/fsdp2.yaml")
-    out["ok"] = out["ok"] and all("FSDP" in r["launch"] for r in out["runs"])
+    out["ok"] = out["ok"] and all(r["launch"].startswith("fsdp2") for r in out["runs"])  # llmtune's own FSDP2
 
 
 def section_deepspeed_zero3(ctx: Ctx, out: dict) -> None:

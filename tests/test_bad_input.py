@@ -226,3 +226,20 @@ def test_finetune_script_refuses_broken_data(ctx):
         [sys.executable, script, "--recipe", str(ctx.recipe), override], capture_output=True, text=True, timeout=120
     )
     check(proc.returncode, proc.stderr, f"{broken}: row 2", before, ctx)
+
+
+@pytest.mark.parametrize(
+    "env,named",
+    [
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "fsdp_version: 2"),
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"}, "fsdp_offload_params"),
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "1"}, "zero_stage 1"),
+    ],
+    ids=["fsdp1", "fsdp-offload", "zero1"],
+)
+def test_launcher_config_llmtune_cannot_run(env, named, ctx, capsys, monkeypatch):
+    """What `accelerate launch --config_file` passes in the environment, asking for what llmtune does not run."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    before = tree(ctx.tmp)
+    check(main(["train", "--recipe", str(ctx.recipe)]), capsys.readouterr().err, named, before, ctx)

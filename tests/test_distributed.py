@@ -59,33 +59,6 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-def single_process(recipe: Path, out: Path) -> dict:
-    subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "finetune.py"), "--recipe", str(recipe), f"output_dir={out}"],
-        check=True,
-        capture_output=True,
-    )
-    return json.loads((out / "run_summary.json").read_text())
-
-
-def test_ddp_reproduces_single_process_losses(tiny_recipe, tmp_path):
-    recipe = tiny_recipe(training__micro_batch_size=2, training__max_steps=5)
-    reference = single_process(recipe, tmp_path / "one")
-    proc = subprocess.run(launch(recipe, f"output_dir={tmp_path / 'ddp'}"), capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "ddp" / "run_summary.json").read_text())
-    # Two real processes, each with half the global batch, accumulating 2 micro-batches of 2.
-    assert (summary["num_processes"], summary["micro_batch_size"], summary["grad_accum_steps"]) == (2, 2, 2)
-    assert summary["trained_tokens"] == reference["trained_tokens"]
-    one, ddp = losses(tmp_path / "one"), losses(tmp_path / "ddp")
-    assert sorted(ddp) == list(range(1, 6))
-    for step in one:
-        assert ddp[step] == pytest.approx(one[step], rel=1e-4), step
-    # Only the main process writes: one line per step, one final model.
-    assert len((tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()) == 5
-    assert (tmp_path / "ddp" / "final" / "model.safetensors").exists()
-
-
 def worker_pids(marker: str) -> list[int]:
     """PIDs of the training workers (not the launcher) whose command line contains `marker`."""
     pids = []

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -92,6 +93,8 @@ class LiveStorageCounter(TorchDispatchMode):
         """Start counting a tensor's storage (no-op if already counted)."""
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
+        # An FSDP2 DTensor's own storage has the global size; this process holds only its local shard.
+        t = t.to_local() if isinstance(t, DTensor) else t
         st = t.untyped_storage()
         key = id(st)
         if key in self._live:

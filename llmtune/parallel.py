@@ -1,0 +1,228 @@
+"""How the processes share the model: DDP, FSDP2 (applied here), or DeepSpeed ZeRO-2/3.
+
+The engine is chosen the way users choose it, by the Accelerate config of the launch
+(`accelerate launch --config_file recipes/accelerate/fsdp2.yaml ...`), which the launcher hands to the script
+in environment variables (`ACCELERATE_USE_FSDP`, `FSDP_VERSION`, `ACCELERATE_USE_DEEPSPEED`,
+`ACCELERATE_DEEPSPEED_ZERO_STAGE`); they are read once, here.
+
+* DDP and DeepSpeed go through `Accelerator.prepare`. DeepSpeed's config gets the planned micro-batch,
+  accumulation and the recipe's clipping before `prepare`; the engine then owns accumulation, clipping and
+  the update (`backward`/`step` below tell it where the window ends).
+* FSDP2 is applied by llmtune itself, as torchtitan's `parallelize` does: `fully_shard` each decoder block,
+  then the root. Accelerate's own FSDP path would wrap the loss wrapper (no `_no_split_modules`) as one
+  unit - the whole model gathered for the whole step - and it runs only on GPUs; this one runs on CPUs
+  (gloo) too, so it is tested there. The root is `CausalLMWithLoss`, the module the loop calls: its
+  forward gathers the embeddings, final norm and lm_head, so the chunked loss, which reads
+  `lm_head.weight` outside lm_head's own forward, sees the full weight. Checkpoints are sharded with
+  `torch.distributed.checkpoint`; `full_state_dict` gathers `final/`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+
+from llmtune.model import SetupError, decoder_blocks
+
+log = logging.getLogger(__name__)
+
+Engine = Literal["ddp", "fsdp2", "zero2", "zero3"]  # "ddp" also names a single process
+# The memory estimator's name for each engine's sharding (llmtune.memory.estimate.SHARDINGS).
+SHARDING: dict[str, str] = {"ddp": "none", "fsdp2": "fsdp", "zero2": "zero2", "zero3": "zero3"}
+DCP_DIR = "sharded"  # FSDP2 checkpoints: model and optimizer shards, one file per process
+
+
+def launched_engine() -> Engine:
+    """The engine the launcher's Accelerate config asks for (a plain `python` run is "ddp", one process)."""
+    env = os.environ
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
+        if stage not in ("2", "3"):
+            raise SetupError(f"DeepSpeed zero_stage {stage or '(unset)'}: llmtune runs ZeRO stages 2 and 3")
+        return "zero2" if stage == "2" else "zero3"
+    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        if env.get("FSDP_VERSION", "1") != "2":
+            raise SetupError("the launcher's FSDP config asks for FSDP1; llmtune runs FSDP2: set fsdp_version: 2")
+        for key, why in (
+            ("FSDP_OFFLOAD_PARAMS", "fsdp_offload_params: llmtune's FSDP2 keeps parameters on the device"),
+            ("FSDP_ACTIVATION_CHECKPOINTING", "fsdp_activation_checkpointing: use training.gradient_checkpointing"),
+        ):
+            if env.get(key, "false").lower() == "true":
+                raise SetupError(f"the launcher's FSDP config sets {why}")
+        return "fsdp2"
+    return "ddp"
+
+
+def accelerator_kwargs(engine: Engine, device_type: str) -> dict[str, Any]:
+    """How to build the Accelerator so that the processes form a real group on this device."""
+    if engine in ("zero2", "zero3"):
+        # DeepSpeed on CPUs: gloo, and no cpu=True (with it Accelerate drops DeepSpeed; platform notes).
+        return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]} if device_type == "cpu" else {}
+    if engine == "fsdp2":
+        # Sharding is applied in `shard_fsdp2`; Accelerate must only form the group (MULTI_CPU / MULTI_GPU).
+        os.environ["ACCELERATE_USE_FSDP"] = "false"
+    # Without cpu=True a CPU-only multi-process launch trains each process alone (platform notes).
+    return {"cpu": device_type == "cpu"}
+
+
+def shard_fsdp2(model: torch.nn.Module, precision: str) -> None:
+    """`fully_shard` every decoder block, then the root (in place); before the optimizer is built.
+
+    Mixed precision is FSDP2's own: blocks compute in bf16/fp16 from gathered copies of the fp32 shards,
+    gradients are reduced in fp32 (`MixedPrecisionPolicy`), so no autocast and no weight-copy cache.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if precision == "fp16":
+        # FSDP2 with fp16 needs a sharded loss scaler that Accelerate's GradScaler is not.
+        raise SetupError("training.precision=fp16 under FSDP2 is not supported; use bf16 (or fp32)")
+    compute = {"bf16": torch.bfloat16}.get(precision)
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
+    # fsdp_reshard_after_forward: false keeps each block gathered from forward to backward (ZeRO-2 like).
+    reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() != "false"
+    blocks = decoder_blocks(model)
+    for block in blocks:
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
+    # The root keeps its parameters gathered after forward: backward needs them at once.
+    fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+    log.info("FSDP2: %d %s blocks and the root sharded", len(blocks), type(blocks[0]).__name__)
+
+
+def configure_deepspeed(
+    acc: Accelerator, micro_batch_size: int, grad_accum_steps: int, max_grad_norm: float, hidden_size: int
+) -> None:
+    """Give the DeepSpeed engine the memory plan and the recipe's clipping before `prepare`.
+
+    Accelerate would otherwise refuse "auto" micro-batches without a dataloader and clip at 1.0.
+    Bucket sizes not set in the config follow the model, as Accelerate's "auto" does: DeepSpeed's
+    defaults (5e8-element fp32 buckets: 1.9 GiB per process) are sized for large models on GPUs, and its
+    persistence threshold (1e5 elements) would leave a small model's weights whole under ZeRO-3.
+    """
+    cfg = acc.state.deepspeed_plugin.deepspeed_config
+    zero = cfg.setdefault("zero_optimization", {})
+    for key, size in (
+        ("reduce_bucket_size", hidden_size * hidden_size),
+        ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+        ("stage3_param_persistence_threshold", 10 * hidden_size),
+    ):
+        if zero.get(key, "auto") == "auto":
+            zero[key] = size
+    cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
+    cfg["gradient_accumulation_steps"] = grad_accum_steps
+    cfg["train_batch_size"] = micro_batch_size * grad_accum_steps * acc.num_processes
+    cfg["gradient_clipping"] = max_grad_norm  # 0 turns clipping off, as in the recipe
+    acc.gradient_accumulation_steps = grad_accum_steps
+
+
+def is_deepspeed(engine: Engine) -> bool:
+    return engine in ("zero2", "zero3")
+
+
+@contextlib.contextmanager
+def micro_step(acc: Accelerator, engine: Engine, model: torch.nn.Module, last: bool) -> Iterator[None]:
+    """Around one micro-batch's forward and backward: gradients are synchronised on the window's last only.
+
+    DDP skips its all-reduce (`no_sync`); DeepSpeed is told where its accumulation boundary is (it then
+    updates inside the last backward, before the loop sees the window's loss: under DeepSpeed a non-finite
+    loss is counted but not kept out of the update, except by fp16's own loss scaler). FSDP2
+    reduce-scatters every micro-batch into the sharded gradients: skipping that would keep whole
+    unsharded gradients alive (DDP's memory), which is what sharding is for.
+    """
+    if is_deepspeed(engine):
+        acc.sync_gradients = last  # Accelerate's backward then runs the engine's step only at the boundary
+        yield
+        return
+    with contextlib.nullcontext() if last or engine == "fsdp2" else acc.no_sync(model):
+        yield
+
+
+def backward(acc: Accelerator, engine: Engine, loss: torch.Tensor) -> None:
+    # The loop normalises the loss by the window's tokens itself; DeepSpeed would divide by accumulation again.
+    acc.backward(loss, **({"scale_wrt_gas": False} if is_deepspeed(engine) else {}))
+
+
+def clip_grad_norm(acc: Accelerator, engine: Engine, model: torch.nn.Module, max_norm: float) -> float:
+    """Clip to the recipe's norm; returns the norm before clipping (nan when clipping is off)."""
+    if is_deepspeed(engine):
+        # The engine clipped (config `gradient_clipping`) and stepped at the boundary; it reports the norm.
+        norm = acc.deepspeed_engine_wrapped.get_global_grad_norm()
+        return float("nan") if norm is None else float(norm)
+    if max_norm <= 0:
+        return float("nan")
+    if engine == "fsdp2":
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        # A DTensor with a partial (per-shard) norm: full_tensor() all-reduces it to the global norm.
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), max_norm, norm)
+        return float(norm)
+    return float(acc.clip_grad_norm_(model.parameters(), max_norm))
+
+
+def full_state_dict(acc: Accelerator, engine: Engine, model: torch.nn.Module) -> dict[str, Any] | None:
+    """The whole model's weights on the main process (every process must call this)."""
+    if engine == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return acc.get_state_dict(model)
+
+
+def local_parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters this process holds: its shards under FSDP2 / ZeRO-3, everything otherwise."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor holds its shard
+        # ZeRO-3 leaves an empty tensor in the module; this process's partition is `ds_tensor`.
+        local = getattr(p, "ds_tensor", local)
+        total += local.numel() * local.element_size()
+    return total
+
+
+def optimizer_updates(optimizer: torch.optim.Optimizer) -> int:
+    """Updates the innermost torch optimizer has applied (its AdamW `step` state), through Accelerate's and
+    DeepSpeed's wrappers: what really happened, whatever the loop believes it asked for."""
+    inner = optimizer
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer
+    steps = [int(state["step"]) for state in inner.state.values() if "step" in state]
+    return max(steps, default=0)
+
+
+# ---------------------------------------------------------------- FSDP2 checkpoints (torch.distributed.checkpoint)
+
+
+def _dcp_options(trainable_only: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Under PEFT only what trains is saved, as for the other engines (checkpoint.save_trainable_only).
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
+def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, trainable_only: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=_dcp_options(trainable_only))
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder / DCP_DIR))
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, trainable_only: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    options = _dcp_options(trainable_only)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(folder / DCP_DIR))  # in place, into this process's shards
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
+    )

@@ -1,0 +1,290 @@
+"""Every launcher config in recipes/accelerate/ trains for real: 2 CPU processes (gloo) against 1 process.
+
+DDP, FSDP2 (applied by llmtune.parallel), DeepSpeed ZeRO-2 and ZeRO-3, full fine-tuning and LoRA, each
+selected as users select it (`accelerate launch --config_file recipes/accelerate/NAME.yaml`). The model is
+a tiny Llama with saved weights: ZeRO-3 initialises a random model partition by partition, so only weights
+loaded from disk are the same in every engine. The first ZeRO run JIT-compiles DeepSpeed's shm_comm op
+(~3 minutes, cached under ~/.cache/torch_extensions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from test_distributed import free_port, losses
+from test_resilience import PAUSING_ENTRY
+
+from llmtune import checkpoint
+from llmtune.recipe import load_recipe
+from llmtune.train import EXIT_PREEMPTED, OOM_FILE, train
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "recipes" / "accelerate"
+ENGINES = {"ddp": "ddp", "fsdp2": "fsdp2", "zero2": "deepspeed_zero2", "zero3": "deepspeed_zero3"}
+STEPS = 4
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs `.[deepspeed]`")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny Llama of conftest with weights saved (seeded), tokenizer beside them."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("weights")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_dir)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
+    return folder
+
+
+def write_recipe(folder: Path, model_dir: Path, data: Path, method: str, engine: str = "ddp") -> Path:
+    """Global batch 8 = 2 processes x micro-batch 2 x accumulation 2 (one process: accumulation 4)."""
+    recipe = {
+        "output_dir": str(folder / "run"),
+        "seed": 0,
+        "model": {"name_or_path": str(model_dir)},
+        "data": {"train": [{"path": str(data)}], "max_length": 48},
+        "training": {
+            "precision": "fp32",
+            "micro_batch_size": 2,
+            "global_batch_size": 8,
+            "max_steps": STEPS,
+            "learning_rate": 1e-2 if method == "lora" else 1e-3,
+            "warmup_steps": 1,
+            # Checkpointing on (the default), except where ZeRO-3 refuses it with LoRA (train.make_accelerator).
+            "gradient_checkpointing": not (engine == "zero3" and method == "lora"),
+        },
+        "peft": {"method": method, "rank": 4},
+        "logging": {"every_n_steps": 1, "progress_bar": False},
+        "checkpoint": {"resume": "none", "every_n_steps": 2},
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def launch(recipe: Path, out: Path, engine: str, *extra: str, script: Path | None = None, **topology) -> list[str]:
+    accelerate = Path(sys.executable).with_name("accelerate")
+    config = CONFIGS / f"{topology.pop('config', ENGINES[engine])}.yaml"
+    options = {"num_processes": 2, "main_process_port": free_port(), **topology}
+    flags = [x for k, v in options.items() for x in (f"--{k}", str(v))]
+    return [
+        str(accelerate),
+        "launch",
+        "--config_file",
+        str(config),
+        *flags,
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(script or ROOT / "scripts" / "finetune.py"),
+        "--recipe",
+        str(recipe),
+        f"output_dir={out}",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, model_dir, tiny_data):
+    """One process, in this process, per method: the run every launch must reproduce."""
+    runs = {}
+    for method in ("none", "lora"):
+        folder = tmp_path_factory.mktemp(f"one-{method}")
+        summary = train(load_recipe(write_recipe(folder, model_dir, tiny_data, method)))
+        runs[method] = (folder / "run", summary)
+    return runs
+
+
+def assert_same_losses(run: Path, reference: Path, steps: int = STEPS) -> None:
+    got, want = losses(run), losses(reference)
+    assert sorted(got) == list(range(1, steps + 1))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], abs=1e-4), (step, got, want)
+
+
+def final_tensors(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    (file,) = [p for p in (run / "final").glob("*.safetensors")]
+    return load_file(file)
+
+
+@pytest.mark.parametrize("method", ["none", "lora"])
+@pytest.mark.parametrize(
+    "engine",
+    ["ddp", "fsdp2", pytest.param("zero2", marks=needs_deepspeed), pytest.param("zero3", marks=needs_deepspeed)],
+)
+def test_two_processes_equal_one(engine, method, reference, model_dir, tiny_data, tmp_path):
+    recipe = write_recipe(tmp_path, model_dir, tiny_data, method, engine)
+    proc = subprocess.run(launch(recipe, tmp_path / "run", engine), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ref_dir, ref = reference[method]
+    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
+    assert (summary["engine"], summary["num_processes"], summary["grad_accum_steps"]) == (engine, 2, 2)
+    assert_same_losses(tmp_path / "run", ref_dir)
+    # Exactly one update per global batch, counted in the optimizer's own state (through DeepSpeed's wrappers).
+    assert summary["optimizer_updates"] == ref["optimizer_updates"] == STEPS
+    share = summary["local_parameter_bytes"] / ref["local_parameter_bytes"]
+    assert share == pytest.approx(0.5 if engine in ("fsdp2", "zero3") else 1.0, abs=0.03)
+    # final/ is one consolidated model (or adapter) with the same weights as the one-process run's.
+    got, want = final_tensors(tmp_path / "run"), final_tensors(ref_dir)
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].float().sub(tensor.float()).abs().max() < 1e-4, name
+    # Periodic checkpoints were written under this engine (LoRA: the adapters only).
+    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path / "run")] == ["step-000002", "step-000004"]
+
+
+def test_fsdp2_bf16_through_its_mixed_precision_policy(reference, model_dir, tiny_data, tmp_path):
+    """bf16 under FSDP2 is FSDP2's MixedPrecisionPolicy (bf16 compute from gathered shards, fp32 reduction), not
+    autocast: it must still train as one process under autocast does, to bf16's precision."""
+    recipe = write_recipe(tmp_path, model_dir, tiny_data, "none", "fsdp2")
+    one = train(load_recipe(recipe, ["training.precision=bf16", f"output_dir={tmp_path / 'one'}"]))
+    proc = subprocess.run(
+        launch(recipe, tmp_path / "run", "fsdp2", "training.precision=bf16"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
+    assert (summary["engine"], summary["precision"], one["precision"]) == ("fsdp2", "bf16", "bf16")
+    got, want = losses(tmp_path / "run"), losses(tmp_path / "one")
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-3), step
+    fp32 = losses(reference["none"][0])  # and it did compute in bf16: the losses are not fp32's
+    assert max(abs(got[step] - fp32[step]) for step in fp32) > 1e-5
+
+
+def kill_after_checkpoint(cmd: list[str], ready: Path, timeout: float = 300) -> None:
+    """Start a launch whose workers sleep once `ready` exists (PAUSING_ENTRY), then SIGKILL them all."""
+    proc = subprocess.Popen(
+        cmd, env={**os.environ, "PAUSE_STEP": "2"}, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, f"{ready} never appeared"
+            time.sleep(0.2)
+        time.sleep(0.5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers, as a node failure would
+        proc.wait()
+
+
+@pytest.mark.parametrize("engine,method", [("fsdp2", "lora"), pytest.param("zero3", "none", marks=needs_deepspeed)])
+def test_sigkill_and_resume(engine, method, reference, model_dir, tiny_data, tmp_path):
+    recipe = write_recipe(tmp_path, model_dir, tiny_data, method, engine)
+    run = tmp_path / "run"
+    entry = tmp_path / "pausing_entry.py"
+    entry.write_text(PAUSING_ENTRY)
+    kill_after_checkpoint(
+        launch(recipe, run, engine, script=entry), run / "checkpoints" / "step-000002" / "recipe.yaml"
+    )
+    assert not (run / "final").exists()
+    if engine == "fsdp2":  # sharded: one file per process
+        assert len(list((run / "checkpoints" / "step-000002" / "sharded").glob("*.distcp"))) == 2
+    proc = subprocess.run(
+        launch(recipe, run, engine, "checkpoint.resume=auto"), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed from" in proc.stderr
+    assert_same_losses(run, reference[method][0])
+    assert json.loads((run / "run_summary.json").read_text())["optimizer_updates"] == STEPS
+
+
+# Raises an out-of-memory error on process 1 only, in its 5th backward (step 3's first micro-batch) or its
+# 3rd optimizer step, after the checkpoint of step 2.
+OOM_ENTRY = """
+import os, sys, torch
+import llmtune.parallel, llmtune.train
+from llmtune.cli import main
+
+where, calls = os.environ["INJECT_OOM"], {"n": 0}
+def failing(real, at):
+    def call(*args, **kwargs):
+        calls["n"] += 1
+        if os.environ["RANK"] == "1" and calls["n"] == at:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        return real(*args, **kwargs)
+    return call
+if where == "backward":
+    llmtune.parallel.backward = failing(llmtune.parallel.backward, 5)
+else:
+    llmtune.train.optimizer_step = failing(llmtune.train.optimizer_step, 3)
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.parametrize("engine,where", [("ddp", "backward"), ("fsdp2", "optimizer")])
+def test_out_of_memory_on_one_process_stops_all_then_resumes_smaller(
+    engine, where, reference, model_dir, tiny_data, tmp_path
+):
+    recipe = write_recipe(tmp_path, model_dir, tiny_data, "none", engine)
+    run = tmp_path / "run"
+    entry = tmp_path / "oom_entry.py"
+    entry.write_text(OOM_ENTRY)
+    started = time.monotonic()
+    cmd = launch(recipe, run, engine, script=entry)
+    proc = subprocess.run(cmd, env={**os.environ, "INJECT_OOM": where}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert f"exitcode  : {EXIT_PREEMPTED}" in proc.stderr, proc.stderr[-4000:]
+    assert "process 1: out of memory" in proc.stderr
+    assert json.loads((run / OOM_FILE).read_text())["micro_batch_size"] == 1
+    assert max(losses(run)) <= 3 and not (run / "final").exists()
+    assert time.monotonic() - started < 240  # stopped, not timed out in a collective
+    if where == "backward":  # the same command continues from step 2 with the smaller micro-batch
+        proc = subprocess.run(
+            launch(recipe, run, engine, "checkpoint.resume=auto"), capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        summary = json.loads((run / "run_summary.json").read_text())
+        assert (summary["micro_batch_size"], summary["grad_accum_steps"]) == (1, 4)
+        assert_same_losses(run, reference["none"][0])
+
+
+def test_two_machines_on_localhost_train_together(reference, model_dir, tiny_data, tmp_path):
+    """recipes/accelerate/multinode.yaml, one process per "machine", both on 127.0.0.1 (a shared disk)."""
+    recipe = write_recipe(tmp_path, model_dir, tiny_data, "none")
+    port = free_port()
+    machines = [
+        subprocess.Popen(
+            launch(
+                recipe,
+                tmp_path / "run",
+                "ddp",
+                config="multinode",
+                num_machines=2,
+                machine_rank=rank,
+                main_process_ip="127.0.0.1",
+                main_process_port=port,
+            ),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    for machine in machines:
+        _, err = machine.communicate(timeout=600)
+        assert machine.returncode == 0, err[-4000:]
+    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
+    assert (summary["num_processes"], summary["grad_accum_steps"]) == (2, 2)
+    assert_same_losses(tmp_path / "run", reference["none"][0])
