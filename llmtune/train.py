@@ -10,6 +10,7 @@ window on all processes, so the update is the same whatever the micro-batch or p
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -24,7 +25,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, set_seed
 
-from llmtune import checkpoint
+from llmtune import checkpoint, preference
 from llmtune.data import PreparedData, batch_for_step, collate, eval_batches, prepare_data, squared_lengths
 from llmtune.loss import CausalLMWithLoss, resolve_loss_impl
 from llmtune.memory.measure import PeakMemoryTracker
@@ -177,7 +178,9 @@ def build(recipe: Recipe) -> Run:
     model = load_model(recipe, precision, config, accelerator.device)
     loss_impl = resolve_loss_impl(recipe.training.loss, config)
     plan = make_plan(recipe, config, precision, loss_impl, accelerator)
-    wrapped = CausalLMWithLoss(model, loss_impl)
+    wrapped = training_module(recipe, model, loss_impl)
+    if getattr(wrapped, "reference", None) == "precomputed":
+        data = with_reference(recipe, wrapped, data, plan, accelerator, tokenizer, precision)
     optimizer = make_optimizer(wrapped, recipe, accelerator.device)
     scheduler = make_scheduler(optimizer, recipe)
     wrapped, optimizer = accelerator.prepare(wrapped, optimizer)
@@ -206,6 +209,40 @@ def build(recipe: Recipe) -> Run:
         resume(run, resume_from)
     log_setup(run, trainable, total)
     return run
+
+
+def training_module(recipe: Recipe, model: torch.nn.Module, loss_impl: str) -> torch.nn.Module:
+    """The module whose forward returns the summed loss: SFT's, or the preference objective's (llmtune.preference)."""
+    objective = recipe.training.objective
+    if objective == "sft":
+        return CausalLMWithLoss(model, loss_impl)
+    reference = preference.resolve_reference(objective, recipe.preference, recipe.peft.method)
+    # copy: the starting weights, frozen, before any update (deepcopy keeps device and dtype).
+    frozen = copy.deepcopy(model).requires_grad_(False).eval() if reference == "copy" else None
+    return preference.PreferenceModel(model, loss_impl, objective, recipe.preference, reference, frozen)
+
+
+def with_reference(
+    recipe: Recipe, wrapped: Any, data: PreparedData, plan: BatchPlan, acc: Accelerator, tokenizer: Any, precision: str
+) -> PreparedData:
+    """Train (and eval) rows with their reference log-probs, computed once by all processes and cached in
+    output_dir (reused on resume and by any later run with the same model, data and settings)."""
+    m = recipe.model
+    settings = {
+        "model": [m.name_or_path, m.revision, m.attn_implementation, m.random_init and recipe.seed],
+        "precision": precision,
+        "loss": wrapped.impl,
+        "peft": recipe.peft.method,
+    }
+    cache = Path(recipe.output_dir) / "reference"
+
+    def collate_rows(examples: list[dict]) -> dict[str, torch.Tensor]:
+        return preference.collate_pairs(examples, pad_token_id=tokenizer.pad_token_id, packed=data.packed)
+
+    def attach(rows):
+        return preference.with_reference(wrapped, rows, collate_rows, plan.micro_batch_size, acc, cache, settings)
+
+    return replace(data, train=attach(data.train), eval=None if data.eval is None else attach(data.eval))
 
 
 def lr_factor(step: int, recipe: Recipe) -> float:
@@ -381,6 +418,7 @@ def fit(run: Run) -> dict[str, Any]:
                 skipped_steps=run.counters["skipped_steps"],
                 micro_batch_size=run.plan.micro_batch_size,
                 memory_tracked=measured,
+                **result.extra,
             )
             eval_now = r.training.eval_every_n_steps and step % r.training.eval_every_n_steps == 0
             if run.data.eval is not None and (eval_now or step == r.training.max_steps):
@@ -405,7 +443,8 @@ def collate_for(run: Run, examples: list[dict]) -> dict[str, torch.Tensor]:
     # A compiled model recompiles for every new shape: packed rows are then padded to max_length (a fill
     # of ~95% costs little), so every micro-batch has the shape the memory plan assumed.
     static = run.data.packed and run.recipe.training.compile
-    return collate(
+    collate_rows = collate if run.recipe.training.objective == "sft" else preference.collate_pairs
+    return collate_rows(
         examples,
         pad_token_id=run.tokenizer.pad_token_id,
         packed=run.data.packed,
@@ -419,6 +458,7 @@ class StepResult(NamedTuple):
     flops: float  # model FLOPs, all processes (metrics.ModelFlops)
     grad_norm: float
     overflow: bool  # fp16: the loss scaler found inf/nan gradients and skipped the update
+    extra: dict[str, float]  # the objective's own metrics (preference: rewards, margin, accuracy)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> bool:
@@ -444,12 +484,15 @@ def train_step(run: Run, examples: list[dict]) -> StepResult | None:
     # so long and short examples weigh the same whatever the micro-batching. DDP averages gradients
     # over processes, hence the factor num_processes.
     trained = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
+    pairs = sum(preference.pairs_in(b) for b in micro_batches) if "segment_ids" in micro_batches[0] else 0
     processed = sum(len(e["input_ids"]) for e in examples)  # real tokens, padding excluded (for MFU)
     # As Python ints: no bookkeeping tensor stays alive through the window's forwards and backwards.
-    counts = [trained, processed, squared_lengths(examples)]
-    total, processed, squares = acc.reduce(torch.tensor(counts, device=acc.device), reduction="sum").tolist()
-    scale = acc.num_processes / max(total, 1)
-    loss_sum = torch.zeros((), device=acc.device)
+    counts = [trained, processed, squared_lengths(examples), pairs]
+    total, processed, squares, pairs = acc.reduce(torch.tensor(counts, device=acc.device), reduction="sum").tolist()
+    # SFT normalises by trained tokens, preference objectives by pairs (each pair's loss is one number).
+    units = pairs or total
+    scale = acc.num_processes / max(units, 1)
+    sums = torch.zeros((), device=acc.device)  # [loss] (SFT) or [loss, *preference.STATS], summed
     oom = False
     try:
         for i, batch in enumerate(micro_batches):
@@ -457,9 +500,9 @@ def train_step(run: Run, examples: list[dict]) -> StepResult | None:
             last = i == len(micro_batches) - 1
             # Gradients are all-reduced only on the window's last micro-batch.
             with contextlib.nullcontext() if last else acc.no_sync(model):
-                token_loss = model(**batch)
-                acc.backward(token_loss * scale)
-            loss_sum += token_loss.detach().float()
+                out = model(**batch).reshape(-1)
+                acc.backward(out[0] * scale)
+            sums = sums + out.detach().float()
     except torch.OutOfMemoryError:
         oom = True
     if bool(acc.reduce(torch.tensor(int(oom), device=acc.device), reduction="sum")):
@@ -469,31 +512,35 @@ def train_step(run: Run, examples: list[dict]) -> StepResult | None:
             "out of memory: micro-batch now %d, accumulation %d", run.plan.micro_batch_size, run.plan.grad_accum_steps
         )
         return None
-    loss = float(acc.reduce(loss_sum, reduction="sum")) / max(total, 1)
+    loss, *stats = acc.reduce(sums, reduction="sum").reshape(-1).tolist()
+    loss /= max(units, 1)
+    extra = preference.step_metrics(stats, pairs) if pairs else {}
     grad_norm, overflow = float("nan"), False
     if math.isfinite(loss):
         if run.recipe.training.max_grad_norm > 0:
             grad_norm = float(acc.clip_grad_norm_(model.parameters(), run.recipe.training.max_grad_norm))
         overflow = optimizer_step(run.optimizer, acc.scaler)
     run.optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, total, run.flops.step(processed, total, squares), grad_norm, overflow)
+    return StepResult(loss, total, run.flops.step(processed, total, squares), grad_norm, overflow, extra)
 
 
 @torch.no_grad()
 def evaluate(run: Run) -> float:
+    """Eval loss per trained token (SFT) or per pair (preference objectives), all processes."""
     acc, model = run.accelerator, run.model
     model.eval()
     loss_sum = torch.zeros((), device=acc.device)
-    tokens = torch.zeros((), device=acc.device)
+    units = torch.zeros((), device=acc.device)
     batches = eval_batches(
         run.data.eval, batch_size=run.plan.micro_batch_size, rank=acc.process_index, world_size=acc.num_processes
     )
     for examples in batches:
         batch = collate_for(run, examples)
-        tokens += (batch["labels"][:, 1:] != -100).sum()
-        loss_sum += model(**{k: v.to(acc.device) for k, v in batch.items()}).float()
+        pairs = "segment_ids" in batch
+        units += preference.pairs_in(batch) if pairs else (batch["labels"][:, 1:] != -100).sum()
+        loss_sum += model(**{k: v.to(acc.device) for k, v in batch.items()}).reshape(-1)[0].float()
     model.train()
-    return float(acc.reduce(loss_sum, reduction="sum") / acc.reduce(tokens, reduction="sum").clamp(min=1))
+    return float(acc.reduce(loss_sum, reduction="sum") / acc.reduce(units, reduction="sum").clamp(min=1))
 
 
 def preemption_requested(acc: Accelerator, preemption: Preemption) -> bool:
