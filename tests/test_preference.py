@@ -1,0 +1,266 @@
+"""Preference tuning (DPO/IPO, ORPO, SimPO): losses against the papers' formulas and TRL's code, packed pairs
+against unpacked ones, the preference data format, the reference cache, and the loop's guarantees."""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+import subprocess
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import llmtune.preference as P
+from llmtune.data import DataError, prepare_data
+from llmtune.loss import resolve_loss_impl
+from llmtune.recipe import DataConfig, PreferenceConfig, RecipeError, SourceConfig, load_recipe
+
+WORDS = "the quick brown fox jumps over lazy dog cat story tell me hello".split()
+
+
+def write_pairs(path: Path, n: int = 48, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    rows = [{"prompt": text(2, 10), "chosen": " " + text(1, 6), "rejected": " " + text(1, 6)} for _ in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory) -> Path:
+    return write_pairs(tmp_path_factory.mktemp("pairs") / "pairs.jsonl")
+
+
+def pair_data(path: Path, tokenizer, packing: bool, max_length: int = 96, **source):
+    cfg = DataConfig(train=[SourceConfig(path=str(path), format="preference", **source)], max_length=max_length)
+    return prepare_data(dataclass_replace(cfg, packing=packing), tokenizer, seed=0)
+
+
+def dataclass_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
+def tiny_model(tokenizer, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        attn_implementation="sdpa",
+    )
+    return AutoModelForCausalLM.from_config(config).float()
+
+
+# ---------------------------------------------------------------- numerics
+
+
+def test_token_logps_and_gradients_equal_log_softmax():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(50, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    upstream = torch.randn(37, dtype=torch.float64)
+    for softcap in (None, 3.0):
+        z = (hidden @ weight.T + bias) * 0.5
+        z = softcap * torch.tanh(z / softcap) if softcap else z
+        expected = z.log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+        got = P.token_logps(hidden, weight, targets, bias=bias, chunk_size=8, logit_scale=0.5, softcap=softcap)
+        assert torch.allclose(got.double(), expected, atol=1e-5)
+        want = torch.autograd.grad((expected * upstream).sum(), (hidden, weight, bias))
+        have = torch.autograd.grad((got.double() * upstream).sum(), (hidden, weight, bias))
+        for a, b in zip(have, want, strict=True):
+            assert torch.allclose(a, b, atol=1e-5)
+
+
+def paper_loss(objective: str, cfg: PreferenceConfig, pc, pr, rc, rr, nc, nr) -> torch.Tensor:
+    """The papers' formulas, written plainly per pair (no code shared with llmtune.preference)."""
+    b = cfg.beta
+    if objective == "dpo" and cfg.loss == "sigmoid":  # Rafailov et al. 2023, eq. 7
+        return -torch.log(torch.sigmoid(b * ((pc - rc) - (pr - rr))))
+    if objective == "dpo":  # Azar et al. 2023, eq. 17 (h = log-ratio difference, per token as TRL does)
+        h = (pc - rc) / nc - (pr - rr) / nr
+        return (h - 1 / (2 * b)) ** 2
+    if objective == "simpo":  # Meng et al. 2024, eq. 6
+        return -torch.log(torch.sigmoid(b / nc * pc - b / nr * pr - cfg.gamma))
+    # ORPO (Hong et al. 2024): L_SFT + lambda * L_OR, odds(y|x) = P / (1 - P), P = exp(mean token log-prob)
+    p_c, p_r = torch.exp(pc / nc), torch.exp(pr / nr)
+    odds_ratio = (p_c / (1 - p_c)) / (p_r / (1 - p_r))
+    return -pc / nc - b * torch.log(torch.sigmoid(torch.log(odds_ratio)))
+
+
+CASES = [
+    ("dpo", PreferenceConfig(beta=0.1)),
+    ("dpo", PreferenceConfig(beta=0.3, loss="ipo")),
+    ("simpo", PreferenceConfig(beta=2.0, gamma=0.5)),
+    ("orpo", PreferenceConfig(beta=0.2)),
+]
+
+
+@pytest.mark.parametrize(("objective", "cfg"), CASES, ids=["dpo", "ipo", "simpo", "orpo"])
+def test_pair_losses_and_gradients_equal_the_papers_formulas(objective, cfg):
+    torch.manual_seed(1)
+    tokens = torch.randint(1, 9, (6, 2)).float()
+    logps = (-torch.rand(6, 2) * 3 * tokens).requires_grad_(True)
+    ref = -torch.rand(6, 2) * 3 * tokens
+    loss, _, _ = P.pair_losses(objective, cfg, logps, tokens, ref)
+    expected = paper_loss(objective, cfg, logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], tokens[:, 0], tokens[:, 1])
+    assert torch.allclose(loss, expected, atol=1e-5)
+    (got,) = torch.autograd.grad(loss.sum(), logps)
+    (want,) = torch.autograd.grad(expected.sum(), logps)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+# ---------------------------------------------------------------- against TRL (test-only dependency)
+
+
+def pair_batch(tokenizer, pairs_file, n: int = 6, packed: bool = False) -> dict[str, torch.Tensor]:
+    data = pair_data(pairs_file, tokenizer, packing=packed)
+    rows = data.train.select(range(n)).to_list()
+    return P.collate_pairs(rows, pad_token_id=tokenizer.pad_token_id, packed=packed)
+
+
+def trl_layout(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our unpacked rows are chosen, rejected, chosen, ...; TRL stacks all chosen rows, then all rejected."""
+    order = torch.cat([torch.arange(0, len(batch["input_ids"]), 2), torch.arange(1, len(batch["input_ids"]), 2)])
+    return {
+        "input_ids": batch["input_ids"][order],
+        "attention_mask": batch["attention_mask"][order],
+        "completion_mask": (batch["labels"][order] != -100).long(),
+    }
+
+
+def grads(model: torch.nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def assert_same(loss_a, loss_b, grads_a, grads_b) -> None:
+    assert float(loss_a.detach()) == pytest.approx(float(loss_b.detach()), abs=1e-5)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+def ours(model, objective, cfg, batch, reference="none") -> torch.Tensor:
+    module = P.PreferenceModel(model, "chunked", objective, cfg, reference)
+    return module(**batch)[0] / P.pairs_in(batch)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_loss_and_gradients_equal_trls(tokenizer, pairs_file, loss_type):
+    from trl.trainer.dpo_trainer import DPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    cfg = PreferenceConfig(beta=0.2, loss=loss_type)
+    batch = pair_batch(tokenizer, pairs_file)
+    model = tiny_model(tokenizer)
+    batch["ref_logps"] = -torch.rand(P.pairs_in(batch), 2) * 20  # as a precomputed reference would give
+    mine = ours(model, "dpo", cfg, batch, reference="precomputed")
+    mine_grads = grads(model, mine)
+
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    metrics = collections.defaultdict(lambda: collections.defaultdict(list))
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x, gather=lambda x: x)
+    trainer = types.SimpleNamespace(
+        model=model, accelerator=accelerator, aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True,
+        f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0], beta=cfg.beta,
+        use_weighting=False, label_smoothing=0.0, _metrics=metrics, _total_train_tokens=0, _tp_size=1,
+    )  # fmt: skip
+    inputs = trl_layout(batch) | {
+        "ref_chosen_logps": batch["ref_logps"][:, 0],
+        "ref_rejected_logps": batch["ref_logps"][:, 1],
+    }
+    theirs = DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
+    assert_same(mine, theirs, mine_grads, grads(model, theirs))
+    assert metrics["train"]["rewards/margins"], "TRL's metrics ran too (the whole loss path was exercised)"
+
+
+def test_simpo_loss_and_gradients_equal_trls(tokenizer, pairs_file):
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+
+    cfg = PreferenceConfig(beta=2.0, gamma=0.6)
+    batch = pair_batch(tokenizer, pairs_file)
+    model = tiny_model(tokenizer)
+    mine = ours(model, "simpo", cfg, batch)
+    mine_grads = grads(model, mine)
+
+    trl = trl_layout(batch)
+    labels = trl["input_ids"].masked_fill(trl["completion_mask"] == 0, -100)
+    logits = model(input_ids=trl["input_ids"], attention_mask=trl["attention_mask"]).logits
+    logps = CPOTrainer.get_batch_logps(logits, labels, average_log_prob=True)
+    chosen, rejected = logps.chunk(2)
+    trainer = types.SimpleNamespace(
+        alpha=0.0, loss_type="simpo", simpo_gamma=cfg.gamma, beta=cfg.beta, label_smoothing=0.0,
+        accelerator=types.SimpleNamespace(device=torch.device("cpu")),
+    )  # fmt: skip
+    losses, _, _ = CPOTrainer.cpo_loss(trainer, chosen, rejected)  # cpo_alpha=0: SimPO has no SFT term
+    theirs = losses.mean()
+    assert_same(mine, theirs, mine_grads, grads(model, theirs))
+
+
+def test_orpo_odds_ratio_term_and_gradients_equal_trls(tokenizer, pairs_file):
+    """TRL's ORPO adds the NLL averaged over the chosen rows' prompt AND completion tokens of the batch; llmtune
+    (as the paper's L_SFT and llmtune's loss-on-completions rule) averages the completion's NLL per pair. So the
+    odds-ratio term is compared with TRL's `odds_ratio_loss`, and the NLL term with the per-pair formula."""
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+    cfg = PreferenceConfig(beta=0.3)
+    batch = pair_batch(tokenizer, pairs_file)
+    model = tiny_model(tokenizer)
+    mine = ours(model, "orpo", cfg, batch)
+    mine_grads = grads(model, mine)
+
+    trl = trl_layout(batch)
+    labels = trl["input_ids"].masked_fill(trl["completion_mask"] == 0, -100)
+    logits = model(input_ids=trl["input_ids"], attention_mask=trl["attention_mask"]).logits
+    chosen, rejected = ORPOTrainer.get_batch_logps(logits, labels, average_log_prob=True).chunk(2)
+    trainer = types.SimpleNamespace(beta=cfg.beta, accelerator=types.SimpleNamespace(device=torch.device("cpu")))
+    odds_ratio, _, _, _, _ = ORPOTrainer.odds_ratio_loss(trainer, chosen, rejected)
+    nll = -CPOTrainer.get_batch_logps(logits, labels, average_log_prob=True).chunk(2)[0]
+    theirs = (nll - odds_ratio).mean()
+    assert_same(mine, theirs, mine_grads, grads(model, theirs))
+
+
+# ---------------------------------------------------------------- packing
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_packed_pairs_give_the_unpacked_loss_and_gradients(tokenizer, pairs_file, objective):
+    cfg = PreferenceConfig()
+    packed_data = pair_data(pairs_file, tokenizer, packing=True)
+    unpacked_data = pair_data(pairs_file, tokenizer, packing=False)
+    rows = packed_data.train.select(range(3)).to_list()
+    packed = P.collate_pairs(rows, pad_token_id=tokenizer.pad_token_id, packed=True)
+    assert packed["input_ids"].shape[0] == 3 and P.pairs_in(packed) > 3  # several pairs per row
+    # The same pairs, unpacked: find each packed pair's rows among the unpacked examples by their tokens.
+    by_tokens = {tuple(e["input_ids"]): e for e in unpacked_data.train.to_list()}
+    examples = []
+    for row in rows:
+        spans = P.sequences_of(row)
+        for (a, _), (_, d) in zip(spans[0::2], spans[1::2], strict=True):
+            examples.append(by_tokens[tuple(row["input_ids"][a:d])])
+    unpacked = P.collate_pairs(examples, pad_token_id=tokenizer.pad_token_id, packed=False)
+    assert packed["input_ids"].numel() < unpacked["input_ids"].numel()  # less padding
+    model = tiny_model(tokenizer)
+    ref = -torch.rand(P.pairs_in(packed), 2) * 20
+    reference = "precomputed" if objective == "dpo" else "none"
+    a = ours(model, objective, cfg, packed | {"ref_logps": ref}, reference)
+    grads_a = grads(model, a)
+    b = ours(model, objective, cfg, unpacked | {"ref_logps": ref}, reference)
+    assert_same(a, b, grads_a, grads(model, b))
