@@ -264,3 +264,128 @@ def test_packed_pairs_give_the_unpacked_loss_and_gradients(tokenizer, pairs_file
     grads_a = grads(model, a)
     b = ours(model, objective, cfg, unpacked | {"ref_logps": ref}, reference)
     assert_same(a, b, grads_a, grads(model, b))
+
+
+# ---------------------------------------------------------------- data
+
+
+def trained_text(tokenizer, row: dict, side: int) -> str:
+    a, b = P.sequences_of(row)[side]
+    return tokenizer.decode(
+        [t for t, label in zip(row["input_ids"][a:b], row["labels"][a:b], strict=True) if label != -100]
+    )
+
+
+LAYOUTS = {
+    "strings": ({"prompt": "tell me", "chosen": " a story", "rejected": " the dog"}, {}),
+    "alpaca": ({"instruction": "tell me", "input": "the cat", "chosen": " a story", "rejected": " the dog"}, {}),
+    "chat_prompt": (
+        {
+            "prompt": [{"role": "user", "content": "tell me"}],
+            "chosen": [{"role": "assistant", "content": "a story"}],
+            "rejected": "the dog",
+        },
+        {},
+    ),
+    "shared_prefix": (
+        {
+            "chosen": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "a story"}],
+            "rejected": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the dog"}],
+        },
+        {},
+    ),
+    "sharegpt": (
+        {
+            "conversations": [{"from": "human", "value": "tell me"}],
+            "chosen": {"from": "gpt", "value": "a story"},
+            "rejected": {"from": "gpt", "value": "the dog"},
+        },
+        {},
+    ),
+    "mapped": (
+        {"q": "tell me", "good": " a story", "bad": " the dog"},
+        {"prompt": "q", "chosen": "good", "rejected": "bad"},
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_preference_layouts_train_only_the_completions(tmp_path, tokenizer, layout):
+    row, fields = LAYOUTS[layout]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    data = pair_data(path, tokenizer, packing=False, max_length=1024, fields=fields)
+    (example,) = data.train.to_list()
+    chosen, rejected = trained_text(tokenizer, example, 0), trained_text(tokenizer, example, 1)
+    assert "a story" in chosen and "dog" not in chosen and "tell" not in chosen and "hello" not in chosen
+    assert "the dog" in rejected and "story" not in rejected
+    assert chosen.endswith(("</s>", "<|im_end|>\n", "<|im_end|>"))  # trained to stop
+
+
+BROKEN = [
+    ({"prompt": "a", "chosen": "b"}, "row 2: field `rejected`: missing or null"),
+    ({"prompt": "a", "chosen": 3, "rejected": "c"}, "row 2: field `chosen`: must be a string or chat turns"),
+    ({"prompt": "a", "chosen": "  ", "rejected": "c"}, "row 2: field `chosen`: is empty"),
+    (
+        {"chosen": [{"role": "user", "content": "x"}], "rejected": [{"role": "user", "content": "y"}]},
+        "row 2: field `chosen`: no `prompt` and the two conversations share no first turn",
+    ),
+    ({"prompt": "a", "chosen": [{"role": "bot", "content": "x"}], "rejected": "c"}, "row 2: field `chosen`: turn 0"),
+]
+
+
+@pytest.mark.parametrize(("bad", "message"), BROKEN)
+def test_a_broken_pair_names_file_row_and_field(tmp_path, tokenizer, bad, message):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "tell me", "chosen": " yes", "rejected": " no"}) + "\n" + json.dumps(bad) + "\n"
+    )
+    with pytest.raises(DataError, match=f"^{path}: " + message.replace("`", ".").replace("(", ".").replace(")", ".")):
+        pair_data(path, tokenizer, packing=False)
+
+
+def test_a_broken_pair_stops_train_with_exit_2(tiny_recipe, tmp_path, capsys):
+    from llmtune.cli import main
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
+    recipe = tiny_recipe(training__objective="dpo", data__train=[{"path": str(path), "format": "preference"}])
+    assert main(["train", "--recipe", str(recipe)]) == 2
+    assert f"{path}: row 1: field `rejected`: missing" in capsys.readouterr().err
+
+
+def test_llmtune_data_show_prints_pairs(tiny_recipe, pairs_file, capsys):
+    from llmtune.cli import main
+
+    recipe = tiny_recipe(training__objective="dpo", data__train=[{"path": str(pairs_file), "format": "preference"}])
+    assert main(["data", "--recipe", str(recipe), "--show", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "next example" in out and out.count("[[") >= 2  # chosen and rejected, each with trained tokens
+
+
+def test_overlong_pairs_are_truncated_per_sequence(tmp_path, tokenizer):
+    path = tmp_path / "pairs.jsonl"
+    long = " ".join(["hello"] * 40)
+    path.write_text(json.dumps({"prompt": "tell me", "chosen": " " + long, "rejected": " the dog"}) + "\n")
+    data = pair_data(path, tokenizer, packing=False, max_length=32)
+    (example,) = data.train.to_list()
+    (a, b), (c, d) = P.sequences_of(example)
+    assert b - a == 16 and d - c < 16 and data.stats.truncated == 1
+
+
+# ---------------------------------------------------------------- recipe
+
+
+def test_a_key_of_another_objective_is_refused_naming_the_objective(tiny_recipe, pairs_file):
+    recipe = tiny_recipe(preference__gamma=1.0, preference__loss="ipo")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(recipe)
+    text = str(err.value)
+    assert "`preference.gamma` applies to training.objective simpo, not sft" in text
+    assert "`preference.loss` applies to training.objective dpo, not sft" in text
+    pairs = [{"path": str(pairs_file), "format": "preference"}]
+    with pytest.raises(RecipeError, match="training.objective dpo needs format: preference"):
+        load_recipe(tiny_recipe(training__objective="dpo"))
+    with pytest.raises(RecipeError, match="adapter_disabled needs LoRA"):
+        load_recipe(tiny_recipe(training__objective="dpo", data__train=pairs, preference__reference="adapter_disabled"))
+    assert load_recipe(tiny_recipe(training__objective="simpo", data__train=pairs, preference__gamma=1.0))

@@ -387,9 +387,12 @@ def _tokenise_row(
     problem = _check_row(canonical, columns)
     if problem:
         raise DataError(f"{src.path}: row {index + 1}: field `{problem[0]}`: {problem[1]}")
-    try:
-        if src.format == "preference":
+    if src.format == "preference":
+        try:
             return render_pair(canonical, columns, tokenizer)
+        except DataError as err:  # pairs name the field themselves (chosen or rejected)
+            raise DataError(f"{src.path}: row {index + 1}: {err}") from None
+    try:
         if src.format == "text":
             ids, labels = render_text(canonical["text"], tokenizer)
         elif src.format == "prompt_completion":
