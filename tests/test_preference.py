@@ -7,17 +7,16 @@ import collections
 import json
 import random
 import subprocess
+import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import llmtune.preference as P
 from llmtune.data import DataError, prepare_data
-from llmtune.loss import resolve_loss_impl
 from llmtune.recipe import DataConfig, PreferenceConfig, RecipeError, SourceConfig, load_recipe
 
 WORDS = "the quick brown fox jumps over lazy dog cat story tell me hello".split()
@@ -389,3 +388,129 @@ def test_a_key_of_another_objective_is_refused_naming_the_objective(tiny_recipe,
     with pytest.raises(RecipeError, match="adapter_disabled needs LoRA"):
         load_recipe(tiny_recipe(training__objective="dpo", data__train=pairs, preference__reference="adapter_disabled"))
     assert load_recipe(tiny_recipe(training__objective="simpo", data__train=pairs, preference__gamma=1.0))
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def preference_recipe(tiny_recipe, pairs_file, objective: str = "dpo", **overrides) -> Path:
+    pairs = [{"path": str(pairs_file), "format": "preference"}]
+    return tiny_recipe(training__objective=objective, data__train=pairs, data__max_length=96, **overrides)
+
+
+def run_losses(output_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def train_recipe(path: Path, *overrides: str) -> dict:
+    from llmtune.train import train
+
+    return train(load_recipe(path, list(overrides)))
+
+
+def test_precomputed_reference_is_computed_once_then_reused(tiny_recipe, pairs_file, tmp_path, monkeypatch):
+    recipe = preference_recipe(tiny_recipe, pairs_file, training__max_steps=3)
+    train_recipe(recipe)
+    run = tmp_path / "run"
+    (cache,) = (run / "reference").glob("reference-*.json")
+    first = run_losses(run)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the cached reference log-probs were computed again")
+
+    monkeypatch.setattr(P, "compute_reference", never)
+    train_recipe(recipe)  # a second run over the same model, data and settings
+    assert run_losses(run) == pytest.approx(first, rel=1e-6)
+    # Other data is another key: computed anew, beside the first.
+    monkeypatch.undo()
+    other = write_pairs(tmp_path / "other.jsonl", seed=1)
+    train_recipe(recipe, f"data.train=[{{path: {other}, format: preference}}]", f"output_dir={tmp_path / 'run2'}")
+    assert len(list((tmp_path / "run2" / "reference").glob("reference-*.json"))) == 1
+
+
+@pytest.mark.parametrize(
+    ("reference", "twin", "peft"),
+    [("copy", "precomputed", "none"), ("adapter_disabled", "precomputed", "lora")],
+)
+def test_every_reference_gives_the_same_training(tiny_recipe, pairs_file, tmp_path, reference, twin, peft):
+    """The reference is the starting model however it is obtained: a frozen copy, the base with adapters
+    off, or log-probs computed before training — so the losses agree step by step."""
+    recipe = preference_recipe(tiny_recipe, pairs_file, training__max_steps=3, peft__method=peft)
+    train_recipe(recipe, f"preference.reference={reference}", f"output_dir={tmp_path / 'a'}")
+    train_recipe(recipe, f"preference.reference={twin}", f"output_dir={tmp_path / 'b'}")
+    a, b = run_losses(tmp_path / "a"), run_losses(tmp_path / "b")
+    assert a == pytest.approx(b, rel=1e-5) and a[0] == pytest.approx(0.6931, abs=1e-3)  # log 2: policy = reference
+
+
+@pytest.mark.parametrize("objective", ["orpo", "simpo"])
+def test_reference_free_objectives_train_and_log_preference_metrics(tiny_recipe, pairs_file, tmp_path, objective):
+    recipe = preference_recipe(tiny_recipe, pairs_file, objective, training__max_steps=3)
+    summary = train_recipe(recipe)
+    assert not (tmp_path / "run" / "reference").exists()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+    for r in steps:
+        assert r["reward_margin"] == pytest.approx(r["rewards_chosen"] - r["rewards_rejected"])
+        assert 0 <= r["preference_accuracy"] <= 1
+    assert Path(summary["final_dir"], "config.json").exists()
+
+
+def test_dpo_in_bf16_with_checkpointing_trains(tiny_recipe, pairs_file, tmp_path):
+    recipe = preference_recipe(
+        tiny_recipe,
+        pairs_file,
+        training__max_steps=2,
+        training__precision="bf16",
+        training__gradient_checkpointing=True,
+    )
+    summary = train_recipe(recipe)
+    assert summary["precision"] == "bf16" and summary["gradient_checkpointing"]
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in run_losses(tmp_path / "run"))
+
+
+@pytest.mark.slow
+def test_dpo_resumes_exactly_after_sigkill(tiny_recipe, pairs_file, tmp_path):
+    from test_resilience import PAUSING_ENTRY, entry, losses_by_step, start_and_kill_when
+
+    from llmtune import checkpoint
+
+    recipe = preference_recipe(tiny_recipe, pairs_file, training__max_steps=6, checkpoint__every_n_steps=2)
+    subprocess.run(entry(recipe, f"output_dir={tmp_path / 'ref'}"), check=True, capture_output=True)
+    reference = losses_by_step(tmp_path / "ref")
+    run = tmp_path / "killed"
+    entry_file = tmp_path / "pausing_entry.py"
+    entry_file.write_text(PAUSING_ENTRY)
+    cmd = [sys.executable, str(entry_file), "--recipe", str(recipe), f"output_dir={run}"]
+    start_and_kill_when(cmd, run / "checkpoints" / "step-000004" / checkpoint.STATE_FILE, {"PAUSE_STEP": "4"})
+    cache = list((run / "reference").glob("reference-*.json"))
+    stamp = cache[0].stat().st_mtime_ns
+    subprocess.run(entry(recipe, f"output_dir={run}", "checkpoint.resume=auto"), check=True, capture_output=True)
+    resumed = losses_by_step(run)
+    assert sorted(resumed) == list(range(1, 7))
+    for step, loss in reference.items():
+        assert resumed[step] == pytest.approx(loss, rel=1e-6), step
+    assert cache[0].stat().st_mtime_ns == stamp  # the resume read the reference cache, it did not recompute it
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_dpo_on_two_processes_equals_one(tiny_recipe, pairs_file, tmp_path):
+    from test_distributed import launch, losses, single_process
+
+    recipe = preference_recipe(tiny_recipe, pairs_file, training__micro_batch_size=2, training__max_steps=3)
+    one = single_process(recipe, tmp_path / "one")
+    proc = subprocess.run(launch(recipe, f"output_dir={tmp_path / 'ddp'}"), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "ddp" / "run_summary.json").read_text())
+    assert (summary["num_processes"], summary["micro_batch_size"], summary["grad_accum_steps"]) == (2, 2, 2)
+    assert summary["trained_tokens"] == one["trained_tokens"]
+    single, ddp = losses(tmp_path / "one"), losses(tmp_path / "ddp")
+    for step in single:
+        assert ddp[step] == pytest.approx(single[step], rel=1e-4), step
+    # The reference cache was computed by both processes, each for its share, into the same values.
+    (a,) = (tmp_path / "one" / "reference").glob("*.json")
+    (b,) = (tmp_path / "ddp" / "reference").glob("*.json")
+    assert a.name == b.name
+    assert json.loads(a.read_text()) == pytest.approx(json.loads(b.read_text()), abs=1e-5)
