@@ -455,6 +455,10 @@ def test_reference_free_objectives_train_and_log_preference_metrics(tiny_recipe,
         assert r["reward_margin"] == pytest.approx(r["rewards_chosen"] - r["rewards_rejected"])
         assert 0 <= r["preference_accuracy"] <= 1
     assert Path(summary["final_dir"], "config.json").exists()
+    if objective == "orpo":  # `llmtune plot` draws the rewards and the accuracy (one objective is enough)
+        from llmtune.plot import plot_run
+
+        assert plot_run(tmp_path / "run")[0].stat().st_size > 0
 
 
 def test_dpo_in_bf16_with_checkpointing_trains(tiny_recipe, pairs_file, tmp_path):
