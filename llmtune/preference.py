@@ -35,7 +35,14 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from llmtune.data import IGNORE
-from llmtune.loss import LossImpl, _decoder_and_head, _logit_transform, _text_config, default_chunk_size
+from llmtune.loss import (
+    LossImpl,
+    _decoder_and_head,
+    _logit_transform,
+    _text_config,
+    default_chunk_size,
+    matmul_dtype,
+)
 from llmtune.recipe import PreferenceConfig
 
 log = logging.getLogger(__name__)
@@ -93,7 +100,15 @@ def collate_pairs(
 
 
 def pairs_in(batch: dict[str, Tensor]) -> int:
-    return (int(batch["segment_ids"].max()) + 1) // 2
+    """Pairs with trained tokens on both sides (eval's filler rows, all labels -100, are not pairs to count)."""
+    return int(_trained_pairs(batch["labels"], batch["segment_ids"]).sum())
+
+
+def _trained_pairs(labels: Tensor, segments: Tensor) -> Tensor:
+    """[pairs] bool: both sequences of the pair have a trained token."""
+    count = int(segments.max()) + 1
+    trained = segments[(labels != IGNORE) & (segments >= 0)]
+    return (torch.bincount(trained, minlength=count) > 0).view(-1, 2).all(1)
 
 
 # ---------------------------------------------------------------- log-probabilities
@@ -171,12 +186,9 @@ def token_logps(
     Equal to `log_softmax(hidden @ weight.T + bias).gather(targets)` without holding more than `chunk_size`
     rows of logits, in forward or backward. The matmul runs in the autocast dtype when autocast is on.
     """
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    else:
-        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
-    with torch.autocast(device_type, enabled=False):
+    compute_dtype = matmul_dtype(hidden, weight)
+    # The Function casts explicitly; autocast must not re-cast its matmuls.
+    with torch.autocast(hidden.device.type, enabled=False):
         return _TokenLogProbs.apply(
             hidden, weight, bias, targets.long(), chunk_size, compute_dtype, logit_scale, softcap
         )
@@ -203,7 +215,7 @@ def sequence_logps(
         logits = model(**inputs, use_cache=False).logits
         logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows).float()
         logps = logits.log_softmax(-1).gather(1, targets[rows].unsqueeze(1)).squeeze(1)
-    count = 2 * pairs_in(batch)
+    count = int(batch["segment_ids"].max()) + 1
     seq = segments[rows]
     sums = torch.zeros(count, dtype=torch.float32, device=logps.device).index_add(0, seq, logps)
     tokens = torch.bincount(seq, minlength=count).to(torch.float32)
@@ -315,9 +327,16 @@ class PreferenceModel(torch.nn.Module):
             # policy's forward starts keeping its own for backward, so the two never stack.
             ref = self.reference_logps(batch)
         logps, tokens = sequence_logps(self.model, self.impl, self.chunk_size, batch)
+        # Pairs without trained tokens (eval's filler rows) add nothing, as in pairs_in; their log-prob of 0
+        # (probability 1) is set to any finite value first, or ORPO's log(1 - p) would make the sum NaN.
+        valid = (tokens > 0).all(1)
+        logps = logps.masked_fill(~valid.unsqueeze(1), -1.0)
         loss, chosen, rejected = pair_losses(self.objective, self.cfg, logps, tokens, ref)
-        stats = torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).float().sum()])
-        return torch.cat([loss.sum().unsqueeze(0), stats])
+        keep = valid.float()
+        stats = torch.stack(
+            [(chosen * keep).sum(), (rejected * keep).sum(), ((chosen > rejected).float() * keep).sum()]
+        )
+        return torch.cat([(loss * keep).sum().unsqueeze(0), stats])
 
 
 # ---------------------------------------------------------------- precomputed reference

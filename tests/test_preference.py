@@ -518,3 +518,17 @@ def test_dpo_on_two_processes_equals_one(tiny_recipe, pairs_file, tmp_path):
     (b,) = (tmp_path / "ddp" / "reference").glob("*.json")
     assert a.name == b.name
     assert json.loads(a.read_text()) == pytest.approx(json.loads(b.read_text()), abs=1e-5)
+
+
+def test_pairs_without_trained_tokens_add_nothing(tokenizer, pairs_file):
+    """eval_batches tops a short shard up with a copy of row 0 whose labels are all -100: it must add no loss
+    and no pair, as a filler row adds no token to SFT's loss."""
+    data = pair_data(pairs_file, tokenizer, packing=True)
+    rows = data.train.select(range(2)).to_list()
+    filler = dict(rows[0], labels=[-100] * len(rows[0]["labels"]))
+    model = tiny_model(tokenizer)
+    module = P.PreferenceModel(model, "chunked", "orpo", PreferenceConfig(), "none")
+    plain = P.collate_pairs(rows, pad_token_id=tokenizer.pad_token_id, packed=True)
+    padded = P.collate_pairs([*rows, filler], pad_token_id=tokenizer.pad_token_id, packed=True)
+    assert P.pairs_in(padded) == P.pairs_in(plain)
+    assert torch.allclose(module(**padded), module(**plain), atol=1e-5)
