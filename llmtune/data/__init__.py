@@ -10,24 +10,18 @@ The flow, top to bottom in `prepare_data`:
    by weight;
 5. optionally pack several examples per row, with `position_ids` restarting at 0 for each example.
 
-Rules worth knowing (each is also said where it is implemented):
+Rendering (step 2) lives in `llmtune.data.render` (text, prompt/completion, chats) and
+`llmtune.data.pairs` (preference pairs: a chosen and a rejected sequence stored as one example whose
+position ids restart at the rejected one). Rules worth knowing here (each is also said where it is
+implemented):
 
-* The first token of every example has label -100: a causal LM's shifted loss never predicts it from
-  inside the example, and in a packed row it would be predicted from the previous example's last token.
-* `prompt_completion` tokenises prompt and completion separately and concatenates the ids, so the mask
-  boundary is exact and the prompt's ids are those the model sees at inference.
-* Alpaca rows (`instruction` [+ `input`] + `output`) become a prompt with the original Alpaca template.
-* ShareGPT rows (`conversations` of {from, value}) become `messages` (human -> user, gpt -> assistant).
-* Chats are rendered with the tokenizer's chat template; assistant tokens are found with the template's
-  `{% generation %}` markers when it has them, else by rendering the chat prefix by prefix and diffing ids.
-  A tokenizer without a template gets ChatML (with a warning), set on the tokenizer so a saved model
-  renders chats as it was trained.
 * Mixture: the mixed train set keeps the total size N of its sources; source i contributes
   round(N * w_i / sum(w)) rows, as whole passes over the source plus a seeded sample without
   replacement (`mixture_counts`, `mixture_indices`). Eval rows are held out of each source before
   mixing, so an upsampled row can never be in both.
 * Packing: shuffle with the seed, then first-fit (each example into the first row with room); whole
-  examples only (an example longer than max_length was already truncated or dropped).
+  examples only (an example longer than max_length was already truncated or dropped); a pair's own
+  position ids are kept, so its two sequences stay apart as two examples do.
   transformers 5.24 (`masking_utils._preprocess_mask_arguments` / `find_packed_sequence_indices`):
   with `attention_mask=None`, NO cache and `position_ids` that restart, sdpa and eager build a
   block-diagonal causal mask and flash-attention uses varlen. So packed batches carry `position_ids`
