@@ -91,7 +91,10 @@ def collate_pairs(
         starts = (positions[i, :n] == 0).long()
         segments[i, :n] = sequence + starts.cumsum(0) - 1
         sequence += int(starts.sum())
-    batch = {"input_ids": input_ids, "labels": labels, "segment_ids": segments}
+    # pair_ids [pairs]: its SHAPE tells the forward how many pairs there are, so the forward needs no
+    # data-dependent count (the memory estimator traces it on fake tensors).
+    pair_ids = torch.arange(sequence // 2)
+    batch = {"input_ids": input_ids, "labels": labels, "segment_ids": segments, "pair_ids": pair_ids}
     batch |= {"position_ids": positions} if packed else {"attention_mask": mask}
     if "ref_logps" in examples[0]:
         values = [v for e in examples for v in e["ref_logps"]]
@@ -101,14 +104,13 @@ def collate_pairs(
 
 def pairs_in(batch: dict[str, Tensor]) -> int:
     """Pairs with trained tokens on both sides (eval's filler rows, all labels -100, are not pairs to count)."""
-    return int(_trained_pairs(batch["labels"], batch["segment_ids"]).sum())
+    return int(_trained_pairs(batch["labels"], batch["segment_ids"], len(batch["pair_ids"])).sum())
 
 
-def _trained_pairs(labels: Tensor, segments: Tensor) -> Tensor:
+def _trained_pairs(labels: Tensor, segments: Tensor, pairs: int) -> Tensor:
     """[pairs] bool: both sequences of the pair have a trained token."""
-    count = int(segments.max()) + 1
     trained = segments[(labels != IGNORE) & (segments >= 0)]
-    return (torch.bincount(trained, minlength=count) > 0).view(-1, 2).all(1)
+    return (torch.bincount(trained, minlength=2 * pairs) > 0).view(-1, 2).all(1)
 
 
 # ---------------------------------------------------------------- log-probabilities
@@ -215,10 +217,11 @@ def sequence_logps(
         logits = model(**inputs, use_cache=False).logits
         logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows).float()
         logps = logits.log_softmax(-1).gather(1, targets[rows].unsqueeze(1)).squeeze(1)
-    count = int(batch["segment_ids"].max()) + 1
+    count = 2 * batch["pair_ids"].shape[0]
     seq = segments[rows]
     sums = torch.zeros(count, dtype=torch.float32, device=logps.device).index_add(0, seq, logps)
-    tokens = torch.bincount(seq, minlength=count).to(torch.float32)
+    # index_add rather than bincount: an output shape fixed by `count` (bincount's depends on the data).
+    tokens = torch.zeros(count, dtype=torch.float32, device=logps.device).index_add(0, seq, torch.ones_like(logps))
     return sums.view(-1, 2), tokens.view(-1, 2)
 
 
