@@ -517,7 +517,8 @@ def test_dpo_on_two_processes_equals_one(tiny_recipe, pairs_file, tmp_path):
     (a,) = (tmp_path / "one" / "reference").glob("*.json")
     (b,) = (tmp_path / "ddp" / "reference").glob("*.json")
     assert a.name == b.name
-    assert json.loads(a.read_text()) == pytest.approx(json.loads(b.read_text()), abs=1e-5)
+    flat_a, flat_b = ([v for row in json.loads(f.read_text()) for v in row] for f in (a, b))
+    assert flat_a == pytest.approx(flat_b, abs=1e-4)
 
 
 def test_pairs_without_trained_tokens_add_nothing(tokenizer, pairs_file):
