@@ -4,7 +4,7 @@ VENV_OK := .venv/.installed
 # The CPU build of torch, so a machine without a GPU does not download a multi-GB CUDA build.
 CPU_TORCH := torch==2.13.0
 
-.PHONY: install train test test-fast lint format docs clean gpu-wheels gpu-check
+.PHONY: install train train-preference test test-fast lint format docs clean gpu-wheels gpu-check
 
 install: $(VENV_OK)
 
@@ -24,6 +24,15 @@ train: install
 	rm -rf runs/quickstart
 	$(PY) scripts/finetune.py --recipe recipes/quickstart.yaml $(ARGS)
 	$(PY) scripts/eval_accuracy.py --model runs/quickstart/final --data assets/quickstart/eval.jsonl
+
+# Preference tuning on top of the quickstart (recipes/quickstart-preference.yaml): the SFT model is trained first when
+# missing; both are scored on the same held-out questions.
+train-preference: install
+	test -f runs/quickstart/final/config.json || $(MAKE) train
+	rm -rf runs/quickstart-preference
+	$(PY) scripts/finetune.py --recipe recipes/quickstart-preference.yaml $(ARGS)
+	$(PY) scripts/eval_accuracy.py --model runs/quickstart/final --data assets/quickstart/eval.jsonl
+	$(PY) scripts/eval_accuracy.py --model runs/quickstart-preference/final --data assets/quickstart/eval.jsonl
 
 test: install
 	$(PY) -m pytest -q $(ARGS)

@@ -239,6 +239,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
+def matmul_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    """The dtype lm_head's matmul runs in: the autocast dtype when autocast is on, else the inputs'."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
 def chunked_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
@@ -267,10 +275,7 @@ def chunked_cross_entropy(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    else:
-        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    compute_dtype = matmul_dtype(hidden, weight)
     # The Function casts explicitly; autocast must not re-cast its matmuls (or cast fp32 grads down).
     with torch.autocast(device_type, enabled=False):
         return _ChunkedCrossEntropy.apply(

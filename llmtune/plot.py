@@ -78,15 +78,19 @@ def _series(records: list[dict], key: str, scale: float = 1.0) -> tuple[list[int
 
 def plot_run(output_dir: Path) -> list[Path]:
     """Draw loss (with eval loss), learning rate, grad norm, tokens/s, MFU and peak memory against the step
-    into one multi-panel `output_dir/curves.png`; returns the files written."""
+    (and, for preference objectives, the rewards and the preference accuracy) into one multi-panel
+    `output_dir/curves.png`; returns the files written."""
     output_dir = Path(output_dir)
     steps, evals = read_metrics(output_dir)
+    preference = any("reward_margin" in r for r in steps)
     plt = _pyplot()
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
-    (ax_loss, ax_lr, ax_grad), (ax_tok, ax_mfu, ax_mem) = axes
+    fig, axes = plt.subplots(3 if preference else 2, 3, figsize=(15, 12 if preference else 8), constrained_layout=True)
+    (ax_loss, ax_lr, ax_grad), (ax_tok, ax_mfu, ax_mem) = axes[:2]
+    if preference:
+        _plot_preference(steps, *axes[2])
 
     x, y = _series(steps, "loss")
-    ax_loss.plot(x, y, label="train loss (per trained token)", color="tab:blue")
+    ax_loss.plot(x, y, label=f"train loss (per {'pair' if preference else 'trained token'})", color="tab:blue")
     ex, ey = _series(evals, "eval_loss")
     if ex:
         ax_loss.plot(ex, ey, "o-", label="eval loss", color="tab:orange")
@@ -121,6 +125,20 @@ def plot_run(output_dir: Path) -> list[Path]:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return [path]
+
+
+def _plot_preference(steps: list[dict], ax_rewards: Any, ax_accuracy: Any, ax_unused: Any) -> None:
+    for key, label, color in (
+        ("rewards_chosen", "chosen", "tab:green"),
+        ("rewards_rejected", "rejected", "tab:red"),
+        ("reward_margin", "margin", "tab:blue"),
+    ):
+        ax_rewards.plot(*_series(steps, key), label=label, color=color)
+    ax_rewards.set_title("rewards (mean per pair)")
+    ax_rewards.legend()
+    ax_accuracy.plot(*_series(steps, "preference_accuracy", 100.0), color="tab:olive")
+    ax_accuracy.set_title("preference accuracy (%: chosen rewarded above rejected)")
+    ax_unused.axis("off")
 
 
 # ---------------------------------------------------------------- a bench's bars

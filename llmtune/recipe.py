@@ -56,11 +56,14 @@ class ModelConfig:
 @dataclass(frozen=True)
 class SourceConfig:
     path: str = doc("A local file (.jsonl/.json/.csv/.parquet/.arrow), a folder of them, or a hub dataset id.")
-    format: Literal["text", "prompt_completion", "messages"] = doc(
-        "How rows are rendered: raw text, a prompt and a completion, or chat turns.", "prompt_completion"
+    format: Literal["text", "prompt_completion", "messages", "preference"] = doc(
+        "How rows are rendered: raw text, a prompt and a completion, chat turns, or preference pairs (prompt,"
+        " chosen, rejected: strings or chat turns; for training.objective dpo / orpo / simpo).",
+        "prompt_completion",
     )
     fields: dict[str, str] = doc(
-        "Map llmtune's field names (text / prompt / completion / messages) to this source's column names,"
+        "Map llmtune's field names (text / prompt / completion / messages / chosen / rejected) to this source's"
+        " column names,"
         " e.g. {prompt: instruction, completion: output}.",
         factory=dict,
     )
@@ -120,6 +123,11 @@ class TrainingConfig:
     )
     eval_every_n_steps: int = doc("Evaluate every N steps (0: only at the end) when there is eval data.", 0)
     max_nonfinite_steps: int = doc("Stop after this many consecutive non-finite losses.", 3)
+    objective: Literal["sft", "dpo", "orpo", "simpo"] = doc(
+        "sft: next-token loss on the trained tokens; dpo (and IPO via preference.loss), orpo, simpo: preference"
+        " tuning on pairs (data format `preference`, settings under `preference:`), loss averaged over pairs.",
+        "sft",
+    )
     compile: bool = doc(
         "torch.compile each decoder block (one shared graph): faster steps after a one-off compile in the first steps."
         " On CPU, memory figures are those of the eager step (Dynamo steps aside while they are measured).",
@@ -171,6 +179,28 @@ class PeftConfig:
 
 
 @dataclass(frozen=True)
+class PreferenceConfig:
+    beta: float = doc(
+        "dpo: the KL strength (IPO: its tau); simpo: the reward scale; orpo: the odds-ratio weight lambda.", 0.1
+    )
+    loss: Literal["sigmoid", "ipo"] = doc(
+        "dpo only: sigmoid (DPO) or ipo (IPO: squared loss on length-averaged log-ratios).", "sigmoid"
+    )
+    gamma: float = doc("simpo only: the target reward margin gamma.", 0.5)
+    reference: Literal["auto", "adapter_disabled", "copy", "precomputed"] = doc(
+        "dpo only: the reference model. adapter_disabled: the base under LoRA (no second copy); copy: a frozen"
+        " copy of the starting weights; precomputed: reference log-probabilities computed once before training and"
+        " cached in output_dir (reused on resume and by later runs); auto: adapter_disabled under LoRA, else"
+        " precomputed.",
+        "auto",
+    )
+
+
+# Keys of `preference:` and the objectives they belong to (a key set for another objective is refused).
+PREFERENCE_KEYS = {"beta": ("dpo", "orpo", "simpo"), "loss": ("dpo",), "gamma": ("simpo",), "reference": ("dpo",)}
+
+
+@dataclass(frozen=True)
 class Recipe:
     model: ModelConfig = doc("The causal LM and its tokenizer.")
     data: DataConfig = doc("Where the examples come from and how they become tokens.", factory=DataConfig)
@@ -181,6 +211,9 @@ class Recipe:
     checkpoint: CheckpointConfig = doc("Checkpoints and resume.", factory=CheckpointConfig)
     logging: LoggingConfig = doc("Metrics and trackers.", factory=LoggingConfig)
     peft: PeftConfig = doc("LoRA / DoRA / QLoRA adapters.", factory=PeftConfig)
+    preference: PreferenceConfig = doc(
+        "Preference tuning settings (training.objective dpo / orpo / simpo).", factory=PreferenceConfig
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -498,6 +531,7 @@ def _check_values(r: Recipe) -> list[tuple[str, str]]:
     need(r.checkpoint.every_n_steps >= 0, "checkpoint.every_n_steps", "must be >= 0")
     need(r.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     need(r.logging.every_n_steps >= 1, "logging.every_n_steps", "must be >= 1")
+    problems += _check_objective(r)
     if r.memory.budget != "auto":
         try:
             from llmtune.units import parse_bytes
@@ -507,4 +541,41 @@ def _check_values(r: Recipe) -> list[tuple[str, str]]:
             problems.append(
                 ("memory.budget", f"`memory.budget` must be auto or a size like 20GiB, got {r.memory.budget!r}")
             )
+    return problems
+
+
+def _check_objective(r: Recipe) -> list[tuple[str, str]]:
+    """The objective, its data and its `preference:` keys agree: a key of another objective names the one it needs.
+
+    A key counts as set when it differs from its default: a saved recipe.yaml lists every key.
+    """
+    objective, p, problems = r.training.objective, r.preference, []
+    for key, owners in PREFERENCE_KEYS.items():
+        if getattr(p, key) != getattr(PreferenceConfig(), key) and objective not in owners:
+            problems.append(
+                (
+                    f"preference.{key}",
+                    f"`preference.{key}` applies to training.objective {' / '.join(owners)}, not {objective}",
+                )
+            )
+    preference_data = objective != "sft"
+    for split in ("train", "eval"):
+        for i, src in enumerate(getattr(r.data, split)):
+            if (src.format == "preference") != preference_data:
+                need = "format: preference" if preference_data else "an sft format (not preference)"
+                problems.append(
+                    (
+                        f"data.{split}",
+                        f"`data.{split}[{i}].format` is {src.format!r}: training.objective {objective} needs {need}",
+                    )
+                )
+    if p.beta <= 0:
+        problems.append(("preference.beta", "`preference.beta` must be positive"))
+    if p.reference == "adapter_disabled" and r.peft.method == "none":
+        problems.append(
+            (
+                "preference.reference",
+                "`preference.reference` adapter_disabled needs LoRA (peft.method); use copy or precomputed",
+            )
+        )
     return problems

@@ -10,6 +10,7 @@ window on all processes, so the update is the same whatever the micro-batch or p
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -25,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
 
-from llmtune import checkpoint, parallel
+from llmtune import checkpoint, parallel, preference
 from llmtune.data import PreparedData, batch_for_step, collate, eval_batches, prepare_data, squared_lengths
 from llmtune.loss import CausalLMWithLoss, resolve_loss_impl
 from llmtune.memory.measure import PeakMemoryTracker
@@ -186,7 +187,9 @@ def build(recipe: Recipe) -> Run:
     plan = make_plan(recipe, config, precision, loss_impl, accelerator, engine, data.stats.max_trained_fraction)
     trainable, total = count_parameters(model)
     flops = model_flops(model)
-    wrapped = CausalLMWithLoss(model, loss_impl)
+    wrapped = training_module(recipe, model, loss_impl)
+    if getattr(wrapped, "reference", None) == "precomputed":
+        data = with_reference(recipe, wrapped, data, plan, accelerator, tokenizer, precision)
     if engine == "fsdp2":
         parallel.shard_fsdp2(wrapped, precision)  # before the optimizer, which must hold the shards
     optimizer = make_optimizer(wrapped, recipe, accelerator.device)
@@ -233,6 +236,40 @@ def build(recipe: Recipe) -> Run:
         log.info("an earlier run stopped out of memory: micro-batch %d", run.plan.micro_batch_size)
     log_setup(run, trainable, total)
     return run
+
+
+def training_module(recipe: Recipe, model: torch.nn.Module, loss_impl: str) -> torch.nn.Module:
+    """The module whose forward returns the summed loss: SFT's, or the preference objective's (llmtune.preference)."""
+    objective = recipe.training.objective
+    if objective == "sft":
+        return CausalLMWithLoss(model, loss_impl)
+    reference = preference.resolve_reference(objective, recipe.preference, recipe.peft.method)
+    # copy: the starting weights, frozen, before any update (deepcopy keeps device and dtype).
+    frozen = copy.deepcopy(model).requires_grad_(False).eval() if reference == "copy" else None
+    return preference.PreferenceModel(model, loss_impl, objective, recipe.preference, reference, frozen)
+
+
+def with_reference(
+    recipe: Recipe, wrapped: Any, data: PreparedData, plan: BatchPlan, acc: Accelerator, tokenizer: Any, precision: str
+) -> PreparedData:
+    """Train (and eval) rows with their reference log-probs, computed once by all processes and cached in
+    output_dir (reused on resume and by any later run with the same model, data and settings)."""
+    m = recipe.model
+    settings = {
+        "model": [m.name_or_path, m.revision, m.attn_implementation, m.random_init and recipe.seed],
+        "precision": precision,
+        "loss": wrapped.impl,
+        "peft": recipe.peft.method,
+    }
+    cache = Path(recipe.output_dir) / "reference"
+
+    def collate_rows(examples: list[dict]) -> dict[str, torch.Tensor]:
+        return preference.collate_pairs(examples, pad_token_id=tokenizer.pad_token_id, packed=data.packed)
+
+    def attach(rows):
+        return preference.with_reference(wrapped, rows, collate_rows, plan.micro_batch_size, acc, cache, settings)
+
+    return replace(data, train=attach(data.train), eval=None if data.eval is None else attach(data.eval))
 
 
 def lr_factor(step: int, recipe: Recipe) -> float:
@@ -413,6 +450,7 @@ def fit(run: Run) -> dict[str, Any]:
                 skipped_steps=run.counters["skipped_steps"],
                 micro_batch_size=run.plan.micro_batch_size,
                 memory_tracked=measured,
+                **result.extra,
             )
             eval_now = r.training.eval_every_n_steps and step % r.training.eval_every_n_steps == 0
             if run.data.eval is not None and (eval_now or step == r.training.max_steps):
@@ -441,7 +479,8 @@ def collate_for(run: Run, examples: list[dict]) -> dict[str, torch.Tensor]:
     # A compiled model recompiles for every new shape: packed rows are then padded to max_length (a fill
     # of ~95% costs little), so every micro-batch has the shape the memory plan assumed.
     static = run.data.packed and run.recipe.training.compile
-    return collate(
+    collate_rows = collate if run.recipe.training.objective == "sft" else preference.collate_pairs
+    return collate_rows(
         examples,
         pad_token_id=run.tokenizer.pad_token_id,
         packed=run.data.packed,
@@ -455,6 +494,7 @@ class StepResult(NamedTuple):
     flops: float  # model FLOPs, all processes (metrics.ModelFlops)
     grad_norm: float
     overflow: bool  # fp16: the loss scaler found inf/nan gradients and skipped the update
+    extra: dict[str, float]  # the objective's own metrics (preference: rewards, margin, accuracy)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> bool:
@@ -480,21 +520,24 @@ def train_step(run: Run, examples: list[dict]) -> StepResult | None:
     # so long and short examples weigh the same whatever the micro-batching. DDP averages gradients
     # over processes, hence the factor num_processes.
     trained = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
+    pairs = sum(preference.pairs_in(b) for b in micro_batches) if "segment_ids" in micro_batches[0] else 0
     processed = sum(len(e["input_ids"]) for e in examples)  # real tokens, padding excluded (for MFU)
     # As Python ints: no bookkeeping tensor stays alive through the window's forwards and backwards.
-    counts = [trained, processed, squared_lengths(examples)]
-    total, processed, squares = acc.reduce(torch.tensor(counts, device=acc.device), reduction="sum").tolist()
-    scale = acc.num_processes / max(total, 1)
-    loss_sum = torch.zeros((), device=acc.device)
+    counts = [trained, processed, squared_lengths(examples), pairs]
+    total, processed, squares, pairs = acc.reduce(torch.tensor(counts, device=acc.device), reduction="sum").tolist()
+    # SFT normalises by trained tokens, preference objectives by pairs (each pair's loss is one number).
+    units = pairs or total
+    scale = acc.num_processes / max(units, 1)
+    sums = torch.zeros((), device=acc.device)  # [loss] (SFT) or [loss, *preference.STATS], summed
     oom = False
     try:
         for i, batch in enumerate(micro_batches):
             batch = {k: v.to(acc.device) for k, v in batch.items()}
             last = i == len(micro_batches) - 1
             with parallel.micro_step(acc, run.engine, model, last):
-                token_loss = model(**batch)
-                parallel.backward(acc, run.engine, token_loss * scale)
-            loss_sum += token_loss.detach().float()
+                out = model(**batch).reshape(-1)
+                parallel.backward(acc, run.engine, out[0] * scale)
+            sums = sums + out.detach().float()
     except torch.OutOfMemoryError:
         if acc.num_processes > 1:
             stop_after_out_of_memory(run, "forward/backward", len(examples))
@@ -506,7 +549,9 @@ def train_step(run: Run, examples: list[dict]) -> StepResult | None:
             "out of memory: micro-batch now %d, accumulation %d", run.plan.micro_batch_size, run.plan.grad_accum_steps
         )
         return None
-    loss = float(acc.reduce(loss_sum, reduction="sum")) / max(total, 1)
+    loss, *stats = acc.reduce(sums, reduction="sum").reshape(-1).tolist()
+    loss /= max(units, 1)
+    extra = preference.step_metrics(stats, pairs) if pairs else {}
     grad_norm, overflow = float("nan"), False
     if math.isfinite(loss):
         try:
@@ -515,7 +560,7 @@ def train_step(run: Run, examples: list[dict]) -> StepResult | None:
         except torch.OutOfMemoryError:  # the weights may be half-updated: only the last checkpoint is sound
             stop_after_out_of_memory(run, "clipping/optimizer step", len(examples))
     run.optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, total, run.flops.step(processed, total, squares), grad_norm, overflow)
+    return StepResult(loss, total, run.flops.step(processed, total, squares), grad_norm, overflow, extra)
 
 
 def stop_after_out_of_memory(run: Run, where: str, per_process: int) -> NoReturn:
@@ -561,19 +606,21 @@ def out_of_memory_limit(output_dir: str) -> int | None:
 
 @torch.no_grad()
 def evaluate(run: Run) -> float:
+    """Eval loss per trained token (SFT) or per pair (preference objectives), all processes."""
     acc, model = run.accelerator, run.model
     model.eval()
     loss_sum = torch.zeros((), device=acc.device)
-    tokens = torch.zeros((), device=acc.device)
+    units = torch.zeros((), device=acc.device)
     batches = eval_batches(
         run.data.eval, batch_size=run.plan.micro_batch_size, rank=acc.process_index, world_size=acc.num_processes
     )
     for examples in batches:
         batch = collate_for(run, examples)
-        tokens += (batch["labels"][:, 1:] != -100).sum()
-        loss_sum += model(**{k: v.to(acc.device) for k, v in batch.items()}).float()
+        pairs = "segment_ids" in batch
+        units += preference.pairs_in(batch) if pairs else (batch["labels"][:, 1:] != -100).sum()
+        loss_sum += model(**{k: v.to(acc.device) for k, v in batch.items()}).reshape(-1)[0].float()
     model.train()
-    return float(acc.reduce(loss_sum, reduction="sum") / acc.reduce(tokens, reduction="sum").clamp(min=1))
+    return float(acc.reduce(loss_sum, reduction="sum") / acc.reduce(units, reduction="sum").clamp(min=1))
 
 
 def preemption_requested(acc: Accelerator, preemption: Preemption) -> bool:

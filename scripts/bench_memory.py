@@ -288,20 +288,22 @@ def picker() -> dict:
     cfg = configs()["llama"]
     gbs, seq = 32, 256
     divisors = [m for m in range(1, gbs + 1) if gbs % m == 0]
-    case_at = {m: Case("llama", "packed", "hf", False, False, "fp32", micro_batch=m, seq_len=seq) for m in divisors}
+
+    def case_at(m: int) -> Case:  # accelerate's retries also try sizes that do not divide the batch
+        return Case("llama", "packed", "hf", False, False, "fp32", micro_batch=m, seq_len=seq)
 
     truth_peaks = {}
     for m in divisors:
-        truth_peaks[m] = measure(case_at[m], cfg, accum=gbs // m)[0]
+        truth_peaks[m] = measure(case_at(m), cfg, accum=gbs // m)[0]
         print(f"measured peak at micro-batch {m:2d} (accum {gbs // m:2d}): {format_bytes(truth_peaks[m])}", flush=True)
 
     def run_training(m: int, budget: int, steps: int = 2) -> None:
         """What a trial costs: build, then `steps` optimizer steps under the enforced budget
         (2, because AdamW's states appear only at the first step)."""
-        step_module, model, opt = build(case_at[m], cfg)
+        step_module, model, opt = build(case_at(m), cfg)
         with PeakMemoryTracker("cpu", baseline=[model, opt], limit_bytes=budget):
             for s in range(steps):
-                train_step(case_at[m], step_module, opt, [batch_of(case_at[m], s * gbs + k) for k in range(gbs // m)])
+                train_step(case_at(m), step_module, opt, [batch_of(case_at(m), s * gbs + k) for k in range(gbs // m)])
 
     # Budgets half-way between consecutive measured peaks, plus one under micro-batch 1.
     ms = sorted(truth_peaks)
@@ -322,7 +324,7 @@ def picker() -> dict:
                 num_processes=1,
                 budget_bytes=budget,
                 seq_len=seq,
-                **estimate_settings(case_at[1].recipe(), loss="hf", device="cpu", precision="fp32"),
+                **estimate_settings(case_at(1).recipe(), loss="hf", device="cpu", precision="fp32"),
             )
             planned = plan.micro_batch_size
         except MemoryPlanError:
@@ -373,7 +375,7 @@ def picker() -> dict:
         config=cfg.to_dict(),
         global_batch_size=gbs,
         seq_len=seq,
-        case=asdict(case_at[1]) | {"micro_batch": "varies"},
+        case=asdict(case_at(1)) | {"micro_batch": "varies"},
         measured_peaks={str(k): v for k, v in truth_peaks.items()},
     )
     return dict(setup=setup, rows=rows)

@@ -10,24 +10,18 @@ The flow, top to bottom in `prepare_data`:
    by weight;
 5. optionally pack several examples per row, with `position_ids` restarting at 0 for each example.
 
-Rules worth knowing (each is also said where it is implemented):
+Rendering (step 2) lives in `llmtune.data.render` (text, prompt/completion, chats) and
+`llmtune.data.pairs` (preference pairs: a chosen and a rejected sequence stored as one example whose
+position ids restart at the rejected one). Rules worth knowing here (each is also said where it is
+implemented):
 
-* The first token of every example has label -100: a causal LM's shifted loss never predicts it from
-  inside the example, and in a packed row it would be predicted from the previous example's last token.
-* `prompt_completion` tokenises prompt and completion separately and concatenates the ids, so the mask
-  boundary is exact and the prompt's ids are those the model sees at inference.
-* Alpaca rows (`instruction` [+ `input`] + `output`) become a prompt with the original Alpaca template.
-* ShareGPT rows (`conversations` of {from, value}) become `messages` (human -> user, gpt -> assistant).
-* Chats are rendered with the tokenizer's chat template; assistant tokens are found with the template's
-  `{% generation %}` markers when it has them, else by rendering the chat prefix by prefix and diffing ids.
-  A tokenizer without a template gets ChatML (with a warning), set on the tokenizer so a saved model
-  renders chats as it was trained.
 * Mixture: the mixed train set keeps the total size N of its sources; source i contributes
   round(N * w_i / sum(w)) rows, as whole passes over the source plus a seeded sample without
   replacement (`mixture_counts`, `mixture_indices`). Eval rows are held out of each source before
   mixing, so an upsampled row can never be in both.
 * Packing: shuffle with the seed, then first-fit (each example into the first row with room); whole
-  examples only (an example longer than max_length was already truncated or dropped).
+  examples only (an example longer than max_length was already truncated or dropped); a pair's own
+  position ids are kept, so its two sequences stay apart as two examples do.
   transformers 5.24 (`masking_utils._preprocess_mask_arguments` / `find_packed_sequence_indices`):
   with `attention_mask=None`, NO cache and `position_ids` that restart, sdpa and eager build a
   block-diagonal causal mask and flash-attention uses varlen. So packed batches carry `position_ids`
@@ -44,7 +38,6 @@ import dataclasses
 import functools
 import json
 import logging
-import re
 import sys
 import zlib
 from collections.abc import Callable, Iterator
@@ -58,47 +51,43 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from llmtune.data.pairs import PAIR_FIELDS, check_pair_value, render_pair, truncate_pair
+from llmtune.data.render import (
+    CHATML_TEMPLATE,
+    IGNORE,
+    DataError,
+    _source_fields,
+    alpaca_prompt,
+    check_messages,
+    ensure_chat_template,
+    messages_of,
+    render_messages,
+    render_prompt,
+    render_prompt_completion,
+    render_text,
+    resolve_columns,
+)
 from llmtune.recipe import DataConfig, SourceConfig
+
+__all__ = [  # the package's interface (rendering lives in llmtune.data.render, pairs in llmtune.data.pairs)
+    "CHATML_TEMPLATE",
+    "IGNORE",
+    "DataError",
+    "DataStats",
+    "PreparedData",
+    "batch_for_step",
+    "collate",
+    "eval_batches",
+    "prepare_data",
+    "render_prompt",
+    "render_report",
+    "report_json",
+    "squared_lengths",
+]
 
 logger = logging.getLogger(__name__)
 
-IGNORE = -100
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
-FORMAT_FIELDS = {"text": ("text",), "prompt_completion": ("prompt", "completion"), "messages": ("messages",)}
-SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "system": "system",
-    "tool": "tool",
-}
-# The original Stanford Alpaca prompts (github.com/tatsu-lab/stanford_alpaca, train.py).
-ALPACA_PROMPT = (
-    "Below is an instruction that describes a task. Write a response that appropriately completes the request."
-    "\n\n### Instruction:\n{instruction}\n\n### Response:\n"
-)
-ALPACA_PROMPT_WITH_INPUT = (
-    "Below is an instruction that describes a task, paired with an input that provides further context. "
-    "Write a response that appropriately completes the request."
-    "\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-)
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-class DataError(ValueError):
-    """Bad training data, found before training: one line naming the file, the row and the field.
-
-    Rows are numbered from 1 in the order the source yields them (a JSON Lines file's line number when
-    it has no blank lines; a CSV's data rows after the header).
-    """
 
 
 @dataclass
@@ -227,7 +216,11 @@ def _finish(
         stats.packing_fill = stats.tokens / max(1, len(data) * cfg.max_length)
     stats.rows = len(data)
     stats.max_trained_fraction = _max_trained(data) / cfg.max_length
-    return data.select_columns(_final_columns(cfg.packing)), stats
+    # position_ids: packed rows, and preference pairs (two sequences per example) packed or not.
+    return data.select_columns([c for c in _COLUMNS if c in data.column_names]), stats
+
+
+_COLUMNS = ("input_ids", "labels", "length", "position_ids")
 
 
 def _max_trained(data: datasets.Dataset) -> int:
@@ -237,10 +230,6 @@ def _max_trained(data: datasets.Dataset) -> int:
         return 0
     trained = np.asarray(labels.flatten()) != -100
     return int(np.bincount(np.asarray(pc.list_parent_indices(labels)), weights=trained, minlength=1).max())
-
-
-def _final_columns(packed: bool) -> list[str]:
-    return ["input_ids", "labels", "length", "position_ids"] if packed else ["input_ids", "labels", "length"]
 
 
 def _subseed(seed: int, purpose: str, *index: int) -> list[int]:
@@ -367,43 +356,7 @@ def _load_tokenised(src: SourceConfig, cfg: DataConfig, tokenizer: Any) -> _Part
     return _Part(src, src.path, data, len(raw), truncated, reasons)
 
 
-# ---------------------------------------------------------------- fields and rendering
-
-
-def resolve_columns(src: SourceConfig, columns: list[str]) -> dict[str, str]:
-    """Map llmtune's field names to this source's columns, recognising Alpaca and ShareGPT layouts.
-
-    Returns {llmtune field: column}; for Alpaca the keys are `instruction`, `input` (optional), `completion`.
-    """
-    unknown = set(src.fields) - set(FORMAT_FIELDS[src.format]) - {"instruction", "input"}
-    if unknown:
-        raise DataError(
-            f"{src.path}: row 1: field `{sorted(unknown)[0]}`: not a field of format {src.format!r}"
-            f" (fields are {', '.join(FORMAT_FIELDS[src.format])})"
-        )
-    wanted = {name: src.fields.get(name, name) for name in FORMAT_FIELDS[src.format]}
-    if src.format == "prompt_completion" and "prompt" not in src.fields and "prompt" not in columns:
-        instruction = src.fields.get("instruction", "instruction")
-        if instruction in columns:  # Alpaca: instruction [+ input] + output
-            wanted = {"instruction": instruction, "completion": src.fields.get("completion", "output")}
-            if src.fields.get("input", "input") in columns:
-                wanted["input"] = src.fields.get("input", "input")
-    if src.format == "messages" and "messages" not in src.fields and "messages" not in columns:
-        if "conversations" in columns:  # ShareGPT
-            wanted = {"messages": "conversations"}
-    for name, column in wanted.items():
-        if column not in columns:
-            hint = f" (map it with fields: {{{name}: <column>}})" if column == name else ""
-            raise DataError(f"{src.path}: row 1: field `{column}`: missing; the columns are {', '.join(columns)}{hint}")
-    return wanted
-
-
-def _source_fields(src: SourceConfig, columns: list[str]) -> dict[str, str]:
-    """resolve_columns, or (when columns are missing) the names it would want, for diagnosing a row."""
-    try:
-        return resolve_columns(src, columns)
-    except DataError:
-        return {name: src.fields.get(name, name) for name in FORMAT_FIELDS[src.format]}
+# ---------------------------------------------------------------- rows
 
 
 def _check_row(values: dict[str, Any], columns: dict[str, str]) -> tuple[str, str] | None:
@@ -411,6 +364,11 @@ def _check_row(values: dict[str, Any], columns: dict[str, str]) -> tuple[str, st
     tokenising and by diagnosing a file the reader refused."""
     for name, column in columns.items():
         value = values.get(name)
+        if name in PAIR_FIELDS:
+            problem = check_pair_value(name, value)
+            if problem:
+                return column, problem
+            continue
         if name == "input":  # Alpaca's input is optional
             if value is not None and not isinstance(value, str):
                 return column, f"must be a string, got {type(value).__name__}"
@@ -418,7 +376,7 @@ def _check_row(values: dict[str, Any], columns: dict[str, str]) -> tuple[str, st
         if value is None:
             return column, "missing or null"
         if name == "messages":
-            problem = _check_messages(value)
+            problem = check_messages(value)
             if problem:
                 return column, problem
         elif not isinstance(value, str):
@@ -426,32 +384,6 @@ def _check_row(values: dict[str, Any], columns: dict[str, str]) -> tuple[str, st
         elif not value.strip():
             return column, "is empty"
     return None
-
-
-def _turn(turn: dict[str, Any]) -> tuple[Any, Any]:
-    """(role, content) of an OpenAI-style {role, content} or ShareGPT-style {from, value} turn."""
-    role = turn.get("role") if turn.get("role") is not None else turn.get("from")
-    content = turn.get("content") if turn.get("content") is not None else turn.get("value")
-    return role, content
-
-
-def _check_messages(value: Any) -> str | None:
-    if not isinstance(value, list) or not value:
-        return f"must be a non-empty list of {{role, content}} turns, got {value!r:.40}"
-    for i, turn in enumerate(value):
-        if not isinstance(turn, dict):
-            return f"turn {i} must be a mapping, got {type(turn).__name__}"
-        role, content = _turn(turn)
-        if not isinstance(role, str) or role not in SHAREGPT_ROLES:
-            return f"turn {i}: role must be one of {', '.join(sorted(SHAREGPT_ROLES))}, got {role!r}"
-        if not isinstance(content, str):
-            return f"turn {i}: content must be a string, got {type(content).__name__}"
-    return None
-
-
-def _messages(value: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """{role, content} turns with ShareGPT roles (human, gpt) mapped to user and assistant."""
-    return [{"role": SHAREGPT_ROLES[role], "content": content} for role, content in map(_turn, value)]
 
 
 def _tokenise_row(
@@ -462,6 +394,11 @@ def _tokenise_row(
     problem = _check_row(canonical, columns)
     if problem:
         raise DataError(f"{src.path}: row {index + 1}: field `{problem[0]}`: {problem[1]}")
+    if src.format == "preference":
+        try:
+            return render_pair(canonical, columns, tokenizer)
+        except DataError as err:  # pairs name the field themselves (chosen or rejected)
+            raise DataError(f"{src.path}: row {index + 1}: {err}") from None
     try:
         if src.format == "text":
             ids, labels = render_text(canonical["text"], tokenizer)
@@ -471,7 +408,7 @@ def _tokenise_row(
                 prompt = alpaca_prompt(canonical["instruction"], canonical.get("input") or "")
             ids, labels = render_prompt_completion(prompt, canonical["completion"], tokenizer, train_on)
         else:
-            ids, labels = render_messages(_messages(canonical["messages"]), tokenizer, train_on)
+            ids, labels = render_messages(messages_of(canonical["messages"]), tokenizer, train_on)
     except DataError as err:
         raise DataError(f"{src.path}: row {index + 1}: field `{next(iter(columns.values()))}`: {err}") from None
     except Exception as err:  # a chat template may raise anything (jinja's raise_exception, TypeError...)
@@ -486,110 +423,12 @@ def _tokenise_row(
     return {"input_ids": ids, "labels": labels, "length": len(ids), "n_trained": n_trained}
 
 
-def alpaca_prompt(instruction: str, input_text: str) -> str:
-    if input_text.strip():
-        return ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=input_text)
-    return ALPACA_PROMPT.format(instruction=instruction)
-
-
-def _with_eos(ids: list[int], tokenizer: Any) -> list[int]:
-    # Some tokenizers already append EOS (add_eos_token); never train two.
-    return ids if ids and ids[-1] == tokenizer.eos_token_id else [*ids, tokenizer.eos_token_id]
-
-
-def _mask_first(labels: list[int]) -> list[int]:
-    # The first token is never predicted inside its example; in a packed row it would be predicted
-    # from the previous example's last token (loss cross-talk), so it is never trained.
-    return [IGNORE, *labels[1:]] if labels else labels
-
-
-def render_text(text: str, tokenizer: Any) -> tuple[list[int], list[int]]:
-    """Raw text: every token trained, EOS appended."""
-    ids = _with_eos(list(tokenizer(text, add_special_tokens=True)["input_ids"]), tokenizer)
-    return ids, _mask_first(list(ids))
-
-
-def render_prompt(prompt: str, tokenizer: Any) -> list[int]:
-    """The ids of a prompt as `prompt_completion` trains it, and so as the trained model must be prompted."""
-    ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    if ids and ids[-1] == tokenizer.eos_token_id and len(ids) > 1:
-        ids = ids[:-1]  # a tokenizer that appends EOS must not end the prompt with it
-    return ids
-
-
-def render_prompt_completion(
-    prompt: str, completion: str, tokenizer: Any, train_on: str
-) -> tuple[list[int], list[int]]:
-    """Prompt then completion + EOS; the prompt is trained only with train_on=all.
-
-    The two are tokenised separately: the mask boundary is exact and the prompt ids are the ones the
-    model is given at inference (joint tokenisation can merge across the boundary).
-    """
-    prompt_ids = render_prompt(prompt, tokenizer)
-    completion_ids = _with_eos(list(tokenizer(completion, add_special_tokens=False)["input_ids"]), tokenizer)
-    ids = prompt_ids + completion_ids
-    if train_on == "all":
-        return ids, _mask_first(list(ids))
-    return ids, _mask_first([IGNORE] * len(prompt_ids) + completion_ids)
-
-
-def ensure_chat_template(tokenizer: Any) -> None:
-    """Give a tokenizer without a chat template ChatML, loudly (saved with the model, so inference matches)."""
-    if not getattr(tokenizer, "chat_template", None):
-        logger.warning(
-            "tokenizer has no chat template: rendering chats with ChatML (<|im_start|>role ... <|im_end|>) and"
-            " setting it on the tokenizer so the saved model renders chats as it was trained"
-        )
-        tokenizer.chat_template = CHATML_TEMPLATE
-
-
-def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    # transformers 5: tokenize=True returns a dict (BatchEncoding), not a list.
-    out = tokenizer.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True
-    )
-    return list(out["input_ids"])
-
-
-def render_messages(messages: list[dict[str, str]], tokenizer: Any, train_on: str) -> tuple[list[int], list[int]]:
-    """A chat rendered by the tokenizer's template; with train_on=completion only assistant turns are trained."""
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-    if _GENERATION_TAG.search(template):
-        out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-    else:
-        ids, mask = _ids_and_assistant_mask(messages, tokenizer)
-    if train_on == "all":
-        return ids, _mask_first(list(ids))
-    return ids, _mask_first([t if m else IGNORE for t, m in zip(ids, mask, strict=True)])
-
-
-def _ids_and_assistant_mask(messages: list[dict[str, str]], tokenizer: Any) -> tuple[list[int], list[int]]:
-    """Find each assistant turn's tokens by rendering prefixes: ids(chat[:k] + generation prompt) is
-    where turn k starts and ids(chat[:k+1]) where it ends; both must be prefixes of the whole chat."""
-    ids = _chat_ids(tokenizer, messages, add_generation_prompt=False)
-    mask = [0] * len(ids)
-    for k, turn in enumerate(messages):
-        if turn["role"] != "assistant":
-            continue
-        start_ids = _chat_ids(tokenizer, messages[:k], add_generation_prompt=True) if k else []
-        end_ids = _chat_ids(tokenizer, messages[: k + 1], add_generation_prompt=False)
-        if ids[: len(end_ids)] != end_ids or end_ids[: len(start_ids)] != start_ids:
-            raise DataError(
-                f"turn {k}: the chat template does not render this conversation prefix by prefix, so the"
-                " assistant tokens cannot be located (use a template with {% generation %} markers)"
-            )
-        for i in range(len(start_ids), len(end_ids)):
-            mask[i] = 1
-    return ids, mask
-
-
 # ---------------------------------------------------------------- length policy
 
 
 def _truncate(row: dict[str, Any], *, max_length: int) -> dict[str, Any]:
+    if row.get("position_ids") is not None:
+        return truncate_pair(row, max_length)
     labels = row["labels"][:max_length]
     return {
         "input_ids": row["input_ids"][:max_length],
@@ -714,7 +553,7 @@ def pack(data: datasets.Dataset, max_length: int, *, seed: int) -> datasets.Data
     Each row holds whole examples; position_ids restart at 0 for each example (that is how attention
     is kept inside an example, see the module docstring). Labels already mask each example's first token.
     """
-    table = data.select_columns(["input_ids", "labels", "length"]).with_format("arrow")[:]
+    table = data.select_columns([c for c in _COLUMNS if c in data.column_names]).with_format("arrow")[:]
     lengths = table.column("length").to_numpy().astype(np.int64)
     order = np.random.default_rng(_subseed(seed, "pack")).permutation(len(lengths))
     rows = [[int(order[i]) for i in row] for row in first_fit(lengths[order], max_length)]
@@ -725,7 +564,10 @@ def pack(data: datasets.Dataset, max_length: int, *, seed: int) -> datasets.Data
     ex_len = lengths[flat_order]
     # Gather every token of every example in packed order with one fancy index.
     token_index = np.repeat(starts[flat_order] - np.cumsum(ex_len) + ex_len, ex_len) + np.arange(ex_len.sum())
-    positions = np.arange(ex_len.sum()) - np.repeat(np.cumsum(ex_len) - ex_len, ex_len)
+    if "position_ids" in table.column_names:  # preference pairs: each example is already two sequences
+        positions = _flat(table.column("position_ids"))[0][token_index]
+    else:
+        positions = np.arange(ex_len.sum()) - np.repeat(np.cumsum(ex_len) - ex_len, ex_len)
     row_len = np.asarray([int(lengths[row].sum()) for row in rows], dtype=np.int64)
     offsets = pa.array(np.concatenate([[0], np.cumsum(row_len)]).astype(np.int32))
     packed = pa.table(

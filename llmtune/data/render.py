@@ -1,0 +1,238 @@
+"""Rendering: one source row -> `input_ids` + `labels` (-100 = not trained), by the source's format.
+
+* `prompt_completion` tokenises prompt and completion separately and concatenates the ids, so the mask
+  boundary is exact and the prompt's ids are those the model sees at inference.
+* Alpaca rows (`instruction` [+ `input`] + `output`) become a prompt with the original Alpaca template.
+* ShareGPT rows (`conversations` of {from, value}) become `messages` (human -> user, gpt -> assistant).
+* Chats are rendered with the tokenizer's chat template; assistant tokens are found with the template's
+  `{% generation %}` markers when it has them, else by rendering the chat prefix by prefix and diffing ids.
+  A tokenizer without a template gets ChatML (with a warning), set on the tokenizer so a saved model
+  renders chats as it was trained.
+* `preference` rows become a chosen and a rejected sequence in one example (llmtune.data.pairs).
+* The first token of every example has label -100: a causal LM's shifted loss never predicts it from
+  inside the example, and in a packed row it would be predicted from the previous example's last token.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from llmtune.recipe import SourceConfig
+
+logger = logging.getLogger(__name__)
+
+IGNORE = -100
+FORMAT_FIELDS = {
+    "text": ("text",),
+    "prompt_completion": ("prompt", "completion"),
+    "messages": ("messages",),
+    "preference": ("prompt", "chosen", "rejected"),
+}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "system": "system",
+    "tool": "tool",
+}
+# The original Stanford Alpaca prompts (github.com/tatsu-lab/stanford_alpaca, train.py).
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+    "\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
+ALPACA_PROMPT_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request."
+    "\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class DataError(ValueError):
+    """Bad training data, found before training: one line naming the file, the row and the field.
+
+    Rows are numbered from 1 in the order the source yields them (a JSON Lines file's line number when
+    it has no blank lines; a CSV's data rows after the header).
+    """
+
+
+def resolve_columns(src: SourceConfig, columns: list[str]) -> dict[str, str]:
+    """Map llmtune's field names to this source's columns, recognising Alpaca and ShareGPT layouts.
+
+    Returns {llmtune field: column}; for Alpaca the keys are `instruction`, `input` (optional), `completion`.
+    """
+    unknown = set(src.fields) - set(FORMAT_FIELDS[src.format]) - {"instruction", "input"}
+    if unknown:
+        raise DataError(
+            f"{src.path}: row 1: field `{sorted(unknown)[0]}`: not a field of format {src.format!r}"
+            f" (fields are {', '.join(FORMAT_FIELDS[src.format])})"
+        )
+    wanted = {name: src.fields.get(name, name) for name in FORMAT_FIELDS[src.format]}
+    if src.format == "prompt_completion" and "prompt" not in src.fields and "prompt" not in columns:
+        instruction = src.fields.get("instruction", "instruction")
+        if instruction in columns:  # Alpaca: instruction [+ input] + output
+            wanted = {"instruction": instruction, "completion": src.fields.get("completion", "output")}
+            if src.fields.get("input", "input") in columns:
+                wanted["input"] = src.fields.get("input", "input")
+    if src.format == "messages" and "messages" not in src.fields and "messages" not in columns:
+        if "conversations" in columns:  # ShareGPT
+            wanted = {"messages": "conversations"}
+    if src.format == "preference" and "prompt" not in src.fields and "prompt" not in columns:
+        instruction = src.fields.get("instruction", "instruction")
+        if instruction in columns:  # alpaca-style: instruction [+ input] + chosen / rejected
+            wanted = {k: v for k, v in wanted.items() if k != "prompt"} | {"instruction": instruction}
+            if src.fields.get("input", "input") in columns:
+                wanted["input"] = src.fields.get("input", "input")
+        elif "conversations" in columns:  # sharegpt-style: the conversation so far + a chosen / rejected turn
+            wanted["prompt"] = "conversations"
+        else:  # chat pairs that share their first turns: the prompt is found (llmtune.data.pairs)
+            del wanted["prompt"]
+    for name, column in wanted.items():
+        if column not in columns:
+            hint = f" (map it with fields: {{{name}: <column>}})" if column == name else ""
+            raise DataError(f"{src.path}: row 1: field `{column}`: missing; the columns are {', '.join(columns)}{hint}")
+    return wanted
+
+
+def _source_fields(src: SourceConfig, columns: list[str]) -> dict[str, str]:
+    """resolve_columns, or (when columns are missing) the names it would want, for diagnosing a row."""
+    try:
+        return resolve_columns(src, columns)
+    except DataError:
+        return {name: src.fields.get(name, name) for name in FORMAT_FIELDS[src.format]}
+
+
+def _turn(turn: dict[str, Any]) -> tuple[Any, Any]:
+    """(role, content) of an OpenAI-style {role, content} or ShareGPT-style {from, value} turn."""
+    role = turn.get("role") if turn.get("role") is not None else turn.get("from")
+    content = turn.get("content") if turn.get("content") is not None else turn.get("value")
+    return role, content
+
+
+def check_messages(value: Any) -> str | None:
+    if not isinstance(value, list) or not value:
+        return f"must be a non-empty list of {{role, content}} turns, got {value!r:.40}"
+    for i, turn in enumerate(value):
+        if not isinstance(turn, dict):
+            return f"turn {i} must be a mapping, got {type(turn).__name__}"
+        role, content = _turn(turn)
+        if not isinstance(role, str) or role not in SHAREGPT_ROLES:
+            return f"turn {i}: role must be one of {', '.join(sorted(SHAREGPT_ROLES))}, got {role!r}"
+        if not isinstance(content, str):
+            return f"turn {i}: content must be a string, got {type(content).__name__}"
+    return None
+
+
+def messages_of(value: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """{role, content} turns with ShareGPT roles (human, gpt) mapped to user and assistant."""
+    return [{"role": SHAREGPT_ROLES[role], "content": content} for role, content in map(_turn, value)]
+
+
+def alpaca_prompt(instruction: str, input_text: str) -> str:
+    if input_text.strip():
+        return ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=input_text)
+    return ALPACA_PROMPT.format(instruction=instruction)
+
+
+def _with_eos(ids: list[int], tokenizer: Any) -> list[int]:
+    # Some tokenizers already append EOS (add_eos_token); never train two.
+    return ids if ids and ids[-1] == tokenizer.eos_token_id else [*ids, tokenizer.eos_token_id]
+
+
+def _mask_first(labels: list[int]) -> list[int]:
+    # The first token is never predicted inside its example; in a packed row it would be predicted
+    # from the previous example's last token (loss cross-talk), so it is never trained.
+    return [IGNORE, *labels[1:]] if labels else labels
+
+
+def render_text(text: str, tokenizer: Any) -> tuple[list[int], list[int]]:
+    """Raw text: every token trained, EOS appended."""
+    ids = _with_eos(list(tokenizer(text, add_special_tokens=True)["input_ids"]), tokenizer)
+    return ids, _mask_first(list(ids))
+
+
+def render_prompt(prompt: str, tokenizer: Any) -> list[int]:
+    """The ids of a prompt as `prompt_completion` trains it, and so as the trained model must be prompted."""
+    ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    if ids and ids[-1] == tokenizer.eos_token_id and len(ids) > 1:
+        ids = ids[:-1]  # a tokenizer that appends EOS must not end the prompt with it
+    return ids
+
+
+def render_prompt_completion(
+    prompt: str, completion: str, tokenizer: Any, train_on: str
+) -> tuple[list[int], list[int]]:
+    """Prompt then completion + EOS; the prompt is trained only with train_on=all.
+
+    The two are tokenised separately: the mask boundary is exact and the prompt ids are the ones the
+    model is given at inference (joint tokenisation can merge across the boundary).
+    """
+    prompt_ids = render_prompt(prompt, tokenizer)
+    completion_ids = _with_eos(list(tokenizer(completion, add_special_tokens=False)["input_ids"]), tokenizer)
+    ids = prompt_ids + completion_ids
+    if train_on == "all":
+        return ids, _mask_first(list(ids))
+    return ids, _mask_first([IGNORE] * len(prompt_ids) + completion_ids)
+
+
+def ensure_chat_template(tokenizer: Any) -> None:
+    """Give a tokenizer without a chat template ChatML, loudly (saved with the model, so inference matches)."""
+    if not getattr(tokenizer, "chat_template", None):
+        logger.warning(
+            "tokenizer has no chat template: rendering chats with ChatML (<|im_start|>role ... <|im_end|>) and"
+            " setting it on the tokenizer so the saved model renders chats as it was trained"
+        )
+        tokenizer.chat_template = CHATML_TEMPLATE
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    # transformers 5: tokenize=True returns a dict (BatchEncoding), not a list.
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True
+    )
+    return list(out["input_ids"])
+
+
+def render_messages(messages: list[dict[str, str]], tokenizer: Any, train_on: str) -> tuple[list[int], list[int]]:
+    """A chat rendered by the tokenizer's template; with train_on=completion only assistant turns are trained."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    if _GENERATION_TAG.search(template):
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+    else:
+        ids, mask = _ids_and_assistant_mask(messages, tokenizer)
+    if train_on == "all":
+        return ids, _mask_first(list(ids))
+    return ids, _mask_first([t if m else IGNORE for t, m in zip(ids, mask, strict=True)])
+
+
+def _ids_and_assistant_mask(messages: list[dict[str, str]], tokenizer: Any) -> tuple[list[int], list[int]]:
+    """Find each assistant turn's tokens by rendering prefixes: ids(chat[:k] + generation prompt) is
+    where turn k starts and ids(chat[:k+1]) where it ends; both must be prefixes of the whole chat."""
+    ids = _chat_ids(tokenizer, messages, add_generation_prompt=False)
+    mask = [0] * len(ids)
+    for k, turn in enumerate(messages):
+        if turn["role"] != "assistant":
+            continue
+        start_ids = _chat_ids(tokenizer, messages[:k], add_generation_prompt=True) if k else []
+        end_ids = _chat_ids(tokenizer, messages[: k + 1], add_generation_prompt=False)
+        if ids[: len(end_ids)] != end_ids or end_ids[: len(start_ids)] != start_ids:
+            raise DataError(
+                f"turn {k}: the chat template does not render this conversation prefix by prefix, so the"
+                " assistant tokens cannot be located (use a template with {% generation %} markers)"
+            )
+        for i in range(len(start_ids), len(end_ids)):
+            mask[i] = 1
+    return ids, mask

@@ -1,0 +1,396 @@
+"""Preference tuning: DPO (sigmoid or IPO), ORPO and SimPO on chosen/rejected pairs.
+
+What differs from SFT lives here, so the loop (llmtune.train) stays one loop:
+
+* batch assembly (`collate_pairs`): a pair is two sequences (llmtune.data.pairs), chosen first. Packed,
+  rows hold whole pairs back to back with position ids restarting per sequence (transformers then
+  builds a block-diagonal mask, as for packed SFT); unpacked, each sequence gets its own padded row
+  (chosen, rejected, chosen, ...; the layout TRL uses). `segment_ids` numbers the sequences of the
+  micro-batch (2k chosen, 2k + 1 rejected of pair k; -1 on padding), so log-probabilities are summed per
+  sequence the same way in both layouts.
+* per-sequence log-probabilities (`sequence_logps`): the decoder's hidden states, then `token_logps`,
+  which computes the completion tokens' log-probabilities chunk by chunk and never holds the N x V
+  logits (backward recomputes each chunk's logits: one extra lm_head matmul per chunk).
+* the losses (`pair_losses`) from summed log-probabilities and token counts, per pair;
+* the reference: under LoRA the same model with its adapters disabled, a frozen copy, or log-probabilities
+  computed once before training (`precompute_reference`) and cached in output_dir.
+
+`PreferenceModel` is the module the loop (and DDP/FSDP) wraps; its forward returns
+[loss summed over pairs, chosen rewards summed, rejected rewards summed, correctly ordered pairs], only the
+first carrying gradients. The loop divides by the pairs of the whole window on all processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from llmtune.data import IGNORE
+from llmtune.loss import (
+    LossImpl,
+    _decoder_and_head,
+    _logit_transform,
+    _text_config,
+    default_chunk_size,
+    matmul_dtype,
+)
+from llmtune.recipe import PreferenceConfig
+
+log = logging.getLogger(__name__)
+
+STATS = ("rewards_chosen", "rewards_rejected", "preference_accuracy")
+
+
+# ---------------------------------------------------------------- batches
+
+
+def sequences_of(row: dict[str, Any]) -> list[tuple[int, int]]:
+    """(start, end) of each sequence in a row, from its restarting position ids."""
+    positions = row["position_ids"]
+    starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+    return list(zip(starts, starts[1:], strict=False))
+
+
+def collate_pairs(
+    examples: list[dict], *, pad_token_id: int, packed: bool, pad_to_multiple_of: int | None = None
+) -> dict[str, Tensor]:
+    """One micro-batch of pairs (see the module docstring); `ref_logps` [pairs, 2] when the rows carry them."""
+    if not examples:
+        raise ValueError("collate_pairs: empty micro-batch")
+    if packed:
+        rows = [(e["input_ids"], e["labels"], e["position_ids"]) for e in examples]
+    else:  # one row per sequence
+        spans = [(e, a, b) for e in examples for a, b in sequences_of(e)]
+        rows = [(e["input_ids"][a:b], e["labels"][a:b], e["position_ids"][a:b]) for e, a, b in spans]
+    width = max(len(ids) for ids, _, _ in rows)
+    if pad_to_multiple_of:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    shape = (len(rows), width)
+    input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
+    labels = torch.full(shape, IGNORE, dtype=torch.long)
+    segments = torch.full(shape, -1, dtype=torch.long)
+    positions = torch.zeros(shape, dtype=torch.long)
+    mask = torch.zeros(shape, dtype=torch.long)
+    sequence = 0
+    for i, (ids, row_labels, row_positions) in enumerate(rows):
+        n = len(ids)
+        input_ids[i, :n] = torch.as_tensor(ids)
+        labels[i, :n] = torch.as_tensor(row_labels)
+        positions[i, :n] = torch.as_tensor(row_positions)
+        positions[i, n:] = torch.arange(width - n)  # padding: a block of its own, no labels
+        mask[i, :n] = 1
+        starts = (positions[i, :n] == 0).long()
+        segments[i, :n] = sequence + starts.cumsum(0) - 1
+        sequence += int(starts.sum())
+    # pair_ids [pairs]: its SHAPE tells the forward how many pairs there are, so the forward needs no
+    # data-dependent count (the memory estimator traces it on fake tensors).
+    pair_ids = torch.arange(sequence // 2)
+    batch = {"input_ids": input_ids, "labels": labels, "segment_ids": segments, "pair_ids": pair_ids}
+    batch |= {"position_ids": positions} if packed else {"attention_mask": mask}
+    if "ref_logps" in examples[0]:
+        values = [v for e in examples for v in e["ref_logps"]]
+        batch["ref_logps"] = torch.tensor(values, dtype=torch.float32).view(-1, 2)
+    return batch
+
+
+def pairs_in(batch: dict[str, Tensor]) -> int:
+    """Pairs with trained tokens on both sides (eval's filler rows, all labels -100, are not pairs to count)."""
+    return int(_trained_pairs(batch["labels"], batch["segment_ids"], len(batch["pair_ids"])).sum())
+
+
+def _trained_pairs(labels: Tensor, segments: Tensor, pairs: int) -> Tensor:
+    """[pairs] bool: both sequences of the pair have a trained token."""
+    trained = segments[(labels != IGNORE) & (segments >= 0)]
+    return (torch.bincount(trained, minlength=2 * pairs) > 0).view(-1, 2).all(1)
+
+
+# ---------------------------------------------------------------- log-probabilities
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """log softmax(hidden @ weight.T + bias)[target] per row, chunked; backward recomputes each chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden, weight, bias, targets, chunk_size, compute_dtype, scale, softcap) -> Tensor:
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            z, _ = _chunk_logits(hidden[start : start + chunk_size], weight, bias, compute_dtype, scale, softcap)
+            target = targets[start : start + chunk_size].unsqueeze(1)
+            out[start : start + chunk_size] = (z.gather(1, target) - z.logsumexp(1, keepdim=True)).squeeze(1)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.settings = (chunk_size, compute_dtype, scale, softcap)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, targets = ctx.saved_tensors
+        chunk_size, compute_dtype, scale, softcap = ctx.settings
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        w = weight.to(compute_dtype)
+        for start in range(0, hidden.shape[0], chunk_size):
+            h = hidden[start : start + chunk_size].to(compute_dtype)
+            z, tanh = _chunk_logits(h, weight, bias, compute_dtype, scale, softcap)
+            go = grad_out[start : start + chunk_size].float().unsqueeze(1)
+            # d logp[target] / d logits = onehot(target) - softmax, times the upstream gradient.
+            grad = z.softmax(1).mul_(-go)
+            grad.scatter_add_(1, targets[start : start + chunk_size].unsqueeze(1), go)
+            if tanh is not None:
+                grad.mul_(1.0 - tanh.square())
+            if scale != 1.0:
+                grad.mul_(scale)
+            if need_b:
+                grad_b += grad.sum(0)
+            grad_c = grad.to(compute_dtype)
+            if need_h:
+                grad_h[start : start + chunk_size] = (grad_c @ w).to(hidden.dtype)
+            if need_w:
+                grad_w += (grad_c.t() @ h).float()
+        grad_w = grad_w.to(weight.dtype) if need_w else None
+        grad_b = grad_b.to(bias.dtype) if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _chunk_logits(h, weight, bias, compute_dtype, scale, softcap) -> tuple[Tensor, Tensor | None]:
+    """fp32 logits of one chunk as the model computes them (lm_head in the compute dtype, then its transform)."""
+    z = F.linear(h.to(compute_dtype), weight.to(compute_dtype), None if bias is None else bias.to(compute_dtype))
+    z = z.float() * scale
+    if softcap is None:
+        return z, None
+    tanh = (z / softcap).tanh()
+    return tanh * softcap, tanh
+
+
+def token_logps(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    chunk_size: int = 1024,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+) -> Tensor:
+    """fp32 log-probability of each row's target: hidden [N, h], weight [V, h], targets [N] -> [N].
+
+    Equal to `log_softmax(hidden @ weight.T + bias).gather(targets)` without holding more than `chunk_size`
+    rows of logits, in forward or backward. The matmul runs in the autocast dtype when autocast is on.
+    """
+    compute_dtype = matmul_dtype(hidden, weight)
+    # The Function casts explicitly; autocast must not re-cast its matmuls.
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _TokenLogProbs.apply(
+            hidden, weight, bias, targets.long(), chunk_size, compute_dtype, logit_scale, softcap
+        )
+
+
+def sequence_logps(
+    model: torch.nn.Module, impl: LossImpl, chunk_size: int, batch: dict[str, Tensor]
+) -> tuple[Tensor, Tensor]:
+    """(summed completion log-probs, completion tokens) per sequence, each [pairs, 2] (chosen, rejected)."""
+    inputs = {k: batch.get(k) for k in ("input_ids", "attention_mask", "position_ids")}
+    # hidden[t] predicts token t + 1: targets and their sequence numbers are shifted left by one.
+    targets = F.pad(batch["labels"], (0, 1), value=IGNORE)[:, 1:].reshape(-1)
+    segments = F.pad(batch["segment_ids"], (0, 1), value=-1)[:, 1:].reshape(-1)
+    rows = (targets != IGNORE).nonzero().squeeze(1)
+    if impl == "chunked":
+        decoder, head = _decoder_and_head(model)
+        hidden = decoder(**inputs, use_cache=False).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+        scale, cap = _logit_transform(model.config)
+        logps = token_logps(
+            hidden, head.weight, targets[rows], bias=head.bias, chunk_size=chunk_size, logit_scale=scale, softcap=cap
+        )
+    else:  # the model's own logits (full N x V, fp32): models whose logits the chunked path does not reproduce
+        logits = model(**inputs, use_cache=False).logits
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows).float()
+        logps = logits.log_softmax(-1).gather(1, targets[rows].unsqueeze(1)).squeeze(1)
+    count = 2 * batch["pair_ids"].shape[0]
+    seq = segments[rows]
+    sums = torch.zeros(count, dtype=torch.float32, device=logps.device).index_add(0, seq, logps)
+    # index_add rather than bincount: an output shape fixed by `count` (bincount's depends on the data).
+    tokens = torch.zeros(count, dtype=torch.float32, device=logps.device).index_add(0, seq, torch.ones_like(logps))
+    return sums.view(-1, 2), tokens.view(-1, 2)
+
+
+# ---------------------------------------------------------------- losses
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """log(1 - exp(x)) for x < 0, stable on both sides of -log 2."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def pair_losses(
+    objective: str, cfg: PreferenceConfig, logps: Tensor, tokens: Tensor, ref_logps: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, chosen reward, rejected reward) per pair from [pairs, 2] summed log-probs and token counts.
+
+    dpo sigmoid (Rafailov et al. 2023, eq. 7): -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)));
+    ipo (Azar et al. 2023, eq. 17, on per-token averaged log-ratios as TRL and the IPO authors do):
+    (delta - 1 / (2 beta))^2; simpo (Meng et al. 2024, eq. 6): -log sigmoid(beta * (avg_c - avg_r) - gamma);
+    orpo (Hong et al. 2024, eq. 6-7): NLL of the chosen completion (per token) - beta * log sigmoid(log odds
+    ratio of the per-token averaged probabilities). Rewards: beta * log-ratio (dpo), beta * average
+    log-prob (simpo, orpo).
+    """
+    beta = cfg.beta
+    average = logps / tokens.clamp(min=1)
+    if objective == "dpo":
+        ratios = logps - ref_logps
+        rewards = beta * ratios.detach()
+        if cfg.loss == "ipo":
+            delta = (ratios / tokens.clamp(min=1)) @ torch.tensor([1.0, -1.0], device=logps.device)
+            loss = (delta - 1 / (2 * beta)) ** 2
+        else:
+            loss = -F.logsigmoid(beta * (ratios[:, 0] - ratios[:, 1]))
+    elif objective == "simpo":
+        rewards = beta * average.detach()
+        loss = -F.logsigmoid(beta * (average[:, 0] - average[:, 1]) - cfg.gamma)
+    elif objective == "orpo":
+        rewards = beta * average.detach()
+        log_odds = (average[:, 0] - average[:, 1]) - (_log1mexp(average[:, 0]) - _log1mexp(average[:, 1]))
+        loss = -average[:, 0] - beta * F.logsigmoid(log_odds)
+    else:
+        raise ValueError(f"not a preference objective: {objective!r}")
+    return loss, rewards[:, 0], rewards[:, 1]
+
+
+def step_metrics(sums: list[float], pairs: int) -> dict[str, float]:
+    """metrics.jsonl values from the summed STATS of a step (all processes) and its pairs."""
+    chosen, rejected, correct = (s / max(pairs, 1) for s in sums)
+    return {
+        "rewards_chosen": chosen,
+        "rewards_rejected": rejected,
+        "reward_margin": chosen - rejected,
+        "preference_accuracy": correct,
+    }
+
+
+# ---------------------------------------------------------------- the module the loop trains
+
+
+def resolve_reference(objective: str, cfg: PreferenceConfig, peft_method: str) -> str:
+    """The reference actually used: none (orpo, simpo), or dpo's setting with `auto` resolved."""
+    if objective != "dpo":
+        return "none"
+    if cfg.reference == "auto":
+        return "adapter_disabled" if peft_method != "none" else "precomputed"
+    return cfg.reference
+
+
+class PreferenceModel(torch.nn.Module):
+    """A causal LM whose forward returns [loss summed over pairs, *STATS summed] (see the module docstring).
+
+    `reference`: adapter_disabled (the same peft model, adapters off), copy (`reference_model`, frozen and
+    kept out of this module's parameters, so DDP, the optimizer and checkpoints never see it), precomputed
+    (the batch carries `ref_logps`) or none.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        impl: LossImpl,
+        objective: str,
+        cfg: PreferenceConfig,
+        reference: str,
+        reference_model: torch.nn.Module | None = None,
+        chunk_size: int | None = None,
+    ):
+        super().__init__()
+        self.model = model
+        self.impl, self.objective, self.cfg, self.reference = impl, objective, cfg, reference
+        self.chunk_size = chunk_size or default_chunk_size(_text_config(model.config).vocab_size)
+        self._reference_model = (reference_model,)  # a tuple: not registered as a submodule
+
+    def reference_logps(self, batch: dict[str, Tensor]) -> Tensor:
+        with torch.no_grad():
+            if self.reference == "adapter_disabled":
+                with self.model.disable_adapter():
+                    return sequence_logps(self.model, self.impl, self.chunk_size, batch)[0]
+            # copy: the frozen copy; precomputed: the policy itself, at its starting weights (before training).
+            reference = self._reference_model[0] if self.reference == "copy" else self.model
+            return sequence_logps(reference, self.impl, self.chunk_size, batch)[0]
+
+    def forward(self, **batch: Tensor) -> Tensor:
+        ref = batch.get("ref_logps")
+        if self.reference in ("adapter_disabled", "copy"):
+            # The reference forward runs first and under no_grad: its activations are freed before the
+            # policy's forward starts keeping its own for backward, so the two never stack.
+            ref = self.reference_logps(batch)
+        logps, tokens = sequence_logps(self.model, self.impl, self.chunk_size, batch)
+        # Pairs without trained tokens (eval's filler rows) add nothing, as in pairs_in; their log-prob of 0
+        # (probability 1) is set to any finite value first, or ORPO's log(1 - p) would make the sum NaN.
+        valid = (tokens > 0).all(1)
+        logps = logps.masked_fill(~valid.unsqueeze(1), -1.0)
+        loss, chosen, rejected = pair_losses(self.objective, self.cfg, logps, tokens, ref)
+        keep = valid.float()
+        stats = torch.stack(
+            [(chosen * keep).sum(), (rejected * keep).sum(), ((chosen > rejected).float() * keep).sum()]
+        )
+        return torch.cat([(loss * keep).sum().unsqueeze(0), stats])
+
+
+# ---------------------------------------------------------------- precomputed reference
+
+
+def reference_key(settings: dict[str, Any], rows: Any) -> str:
+    """A cache key from the model and run settings and the exact tokens of the rows (content, not file names)."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for column in ("input_ids", "labels", "position_ids"):
+        values = rows.with_format("arrow")[:].column(column).combine_chunks()
+        digest.update(np.asarray(values.flatten()).tobytes() + np.asarray(values.offsets).tobytes())
+    return digest.hexdigest()[:20]
+
+
+@torch.no_grad()
+def compute_reference(model: PreferenceModel, rows: Any, collate, batch_size: int, acc: Any) -> list[list[float]]:
+    """Reference log-probs of every pair of every row ([c0, r0, c1, r1, ...] per row), each process its share
+    (rows rank, rank + W, ...), summed over processes."""
+    counts = [len(sequences_of(r)) // 2 for r in rows.select_columns(["position_ids"])]
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    values = torch.zeros(int(offsets[-1]), 2, device=acc.device)
+    mine = list(range(acc.process_index, len(rows), acc.num_processes))
+    was_training = model.training
+    model.eval()
+    for start in range(0, len(mine), batch_size):
+        index = mine[start : start + batch_size]
+        batch = {k: v.to(acc.device) for k, v in collate(rows.select(index).to_list()).items()}
+        logps = model.reference_logps(batch)
+        at = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in index]).to(acc.device)
+        values.index_copy_(0, at, logps.float())
+    model.train(was_training)
+    values = acc.reduce(values, reduction="sum").cpu()
+    return [values[offsets[i] : offsets[i + 1]].reshape(-1).tolist() for i in range(len(rows))]
+
+
+def with_reference(
+    model: PreferenceModel, rows: Any, collate, batch_size: int, acc: Any, cache_dir: Path, settings: dict[str, Any]
+) -> Any:
+    """`rows` with a `ref_logps` column, read from `cache_dir` when this model, data and settings were
+    computed before (a resume, a second run), else computed once and written there."""
+    path = cache_dir / f"reference-{reference_key(settings, rows)}.json"
+    if path.is_file():
+        log.info("reference log-probs: reusing %s", path)
+        values = json.loads(path.read_text())
+    else:
+        log.info("reference log-probs: computing %d rows once (cached in %s)", len(rows), path)
+        values = compute_reference(model, rows, collate, batch_size, acc)
+        if acc.is_main_process:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(values))
+            tmp.replace(path)  # atomic: a run killed while writing leaves no half cache
+        acc.wait_for_everyone()
+    return rows.add_column("ref_logps", values)

@@ -1,0 +1,535 @@
+"""Preference tuning (DPO/IPO, ORPO, SimPO): losses against the papers' formulas and TRL's code, packed pairs
+against unpacked ones, the preference data format, the reference cache, and the loop's guarantees."""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import llmtune.preference as P
+from llmtune.data import DataError, prepare_data
+from llmtune.recipe import DataConfig, PreferenceConfig, RecipeError, SourceConfig, load_recipe
+
+WORDS = "the quick brown fox jumps over lazy dog cat story tell me hello".split()
+
+
+def write_pairs(path: Path, n: int = 48, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    rows = [{"prompt": text(2, 10), "chosen": " " + text(1, 6), "rejected": " " + text(1, 6)} for _ in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory) -> Path:
+    return write_pairs(tmp_path_factory.mktemp("pairs") / "pairs.jsonl")
+
+
+def pair_data(path: Path, tokenizer, packing: bool, max_length: int = 96, **source):
+    cfg = DataConfig(train=[SourceConfig(path=str(path), format="preference", **source)], max_length=max_length)
+    return prepare_data(dataclass_replace(cfg, packing=packing), tokenizer, seed=0)
+
+
+def dataclass_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
+def tiny_model(tokenizer, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        attn_implementation="sdpa",
+    )
+    return AutoModelForCausalLM.from_config(config).float()
+
+
+# ---------------------------------------------------------------- numerics
+
+
+def test_token_logps_and_gradients_equal_log_softmax():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(50, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    upstream = torch.randn(37, dtype=torch.float64)
+    for softcap in (None, 3.0):
+        z = (hidden @ weight.T + bias) * 0.5
+        z = softcap * torch.tanh(z / softcap) if softcap else z
+        expected = z.log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+        got = P.token_logps(hidden, weight, targets, bias=bias, chunk_size=8, logit_scale=0.5, softcap=softcap)
+        assert torch.allclose(got.double(), expected, atol=1e-5)
+        want = torch.autograd.grad((expected * upstream).sum(), (hidden, weight, bias))
+        have = torch.autograd.grad((got.double() * upstream).sum(), (hidden, weight, bias))
+        for a, b in zip(have, want, strict=True):
+            assert torch.allclose(a, b, atol=1e-5)
+
+
+def paper_loss(objective: str, cfg: PreferenceConfig, pc, pr, rc, rr, nc, nr) -> torch.Tensor:
+    """The papers' formulas, written plainly per pair (no code shared with llmtune.preference)."""
+    b = cfg.beta
+    if objective == "dpo" and cfg.loss == "sigmoid":  # Rafailov et al. 2023, eq. 7
+        return -torch.log(torch.sigmoid(b * ((pc - rc) - (pr - rr))))
+    if objective == "dpo":  # Azar et al. 2023, eq. 17 (h = log-ratio difference, per token as TRL does)
+        h = (pc - rc) / nc - (pr - rr) / nr
+        return (h - 1 / (2 * b)) ** 2
+    if objective == "simpo":  # Meng et al. 2024, eq. 6
+        return -torch.log(torch.sigmoid(b / nc * pc - b / nr * pr - cfg.gamma))
+    # ORPO (Hong et al. 2024): L_SFT + lambda * L_OR, odds(y|x) = P / (1 - P), P = exp(mean token log-prob)
+    p_c, p_r = torch.exp(pc / nc), torch.exp(pr / nr)
+    odds_ratio = (p_c / (1 - p_c)) / (p_r / (1 - p_r))
+    return -pc / nc - b * torch.log(torch.sigmoid(torch.log(odds_ratio)))
+
+
+CASES = [
+    ("dpo", PreferenceConfig(beta=0.1)),
+    ("dpo", PreferenceConfig(beta=0.3, loss="ipo")),
+    ("simpo", PreferenceConfig(beta=2.0, gamma=0.5)),
+    ("orpo", PreferenceConfig(beta=0.2)),
+]
+
+
+@pytest.mark.parametrize(("objective", "cfg"), CASES, ids=["dpo", "ipo", "simpo", "orpo"])
+def test_pair_losses_and_gradients_equal_the_papers_formulas(objective, cfg):
+    torch.manual_seed(1)
+    tokens = torch.randint(1, 9, (6, 2)).float()
+    logps = (-torch.rand(6, 2) * 3 * tokens).requires_grad_(True)
+    ref = -torch.rand(6, 2) * 3 * tokens
+    loss, _, _ = P.pair_losses(objective, cfg, logps, tokens, ref)
+    expected = paper_loss(objective, cfg, logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], tokens[:, 0], tokens[:, 1])
+    assert torch.allclose(loss, expected, atol=1e-5)
+    (got,) = torch.autograd.grad(loss.sum(), logps)
+    (want,) = torch.autograd.grad(expected.sum(), logps)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+# ---------------------------------------------------------------- against TRL (test-only dependency)
+
+
+def pair_batch(tokenizer, pairs_file, n: int = 6, packed: bool = False) -> dict[str, torch.Tensor]:
+    data = pair_data(pairs_file, tokenizer, packing=packed)
+    rows = data.train.select(range(n)).to_list()
+    return P.collate_pairs(rows, pad_token_id=tokenizer.pad_token_id, packed=packed)
+
+
+def trl_layout(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our unpacked rows are chosen, rejected, chosen, ...; TRL stacks all chosen rows, then all rejected."""
+    order = torch.cat([torch.arange(0, len(batch["input_ids"]), 2), torch.arange(1, len(batch["input_ids"]), 2)])
+    return {
+        "input_ids": batch["input_ids"][order],
+        "attention_mask": batch["attention_mask"][order],
+        "completion_mask": (batch["labels"][order] != -100).long(),
+    }
+
+
+def grads(model: torch.nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def assert_same(loss_a, loss_b, grads_a, grads_b) -> None:
+    assert float(loss_a.detach()) == pytest.approx(float(loss_b.detach()), abs=1e-5)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+def ours(model, objective, cfg, batch, reference="none") -> torch.Tensor:
+    module = P.PreferenceModel(model, "chunked", objective, cfg, reference)
+    return module(**batch)[0] / P.pairs_in(batch)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_loss_and_gradients_equal_trls(tokenizer, pairs_file, loss_type):
+    from trl.trainer.dpo_trainer import DPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    cfg = PreferenceConfig(beta=0.2, loss=loss_type)
+    batch = pair_batch(tokenizer, pairs_file)
+    model = tiny_model(tokenizer)
+    batch["ref_logps"] = -torch.rand(P.pairs_in(batch), 2) * 20  # as a precomputed reference would give
+    mine = ours(model, "dpo", cfg, batch, reference="precomputed")
+    mine_grads = grads(model, mine)
+
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    metrics = collections.defaultdict(lambda: collections.defaultdict(list))
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x, gather=lambda x: x)
+    trainer = types.SimpleNamespace(
+        model=model, accelerator=accelerator, aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True,
+        f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0], beta=cfg.beta,
+        use_weighting=False, label_smoothing=0.0, _metrics=metrics, _total_train_tokens=0, _tp_size=1,
+    )  # fmt: skip
+    inputs = trl_layout(batch) | {
+        "ref_chosen_logps": batch["ref_logps"][:, 0],
+        "ref_rejected_logps": batch["ref_logps"][:, 1],
+    }
+    theirs = DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
+    assert_same(mine, theirs, mine_grads, grads(model, theirs))
+    assert metrics["train"]["rewards/margins"], "TRL's metrics ran too (the whole loss path was exercised)"
+
+
+def test_simpo_loss_and_gradients_equal_trls(tokenizer, pairs_file):
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+
+    cfg = PreferenceConfig(beta=2.0, gamma=0.6)
+    batch = pair_batch(tokenizer, pairs_file)
+    model = tiny_model(tokenizer)
+    mine = ours(model, "simpo", cfg, batch)
+    mine_grads = grads(model, mine)
+
+    trl = trl_layout(batch)
+    labels = trl["input_ids"].masked_fill(trl["completion_mask"] == 0, -100)
+    logits = model(input_ids=trl["input_ids"], attention_mask=trl["attention_mask"]).logits
+    logps = CPOTrainer.get_batch_logps(logits, labels, average_log_prob=True)
+    chosen, rejected = logps.chunk(2)
+    trainer = types.SimpleNamespace(
+        alpha=0.0, loss_type="simpo", simpo_gamma=cfg.gamma, beta=cfg.beta, label_smoothing=0.0,
+        accelerator=types.SimpleNamespace(device=torch.device("cpu")),
+    )  # fmt: skip
+    losses, _, _ = CPOTrainer.cpo_loss(trainer, chosen, rejected)  # cpo_alpha=0: SimPO has no SFT term
+    theirs = losses.mean()
+    assert_same(mine, theirs, mine_grads, grads(model, theirs))
+
+
+def test_orpo_odds_ratio_term_and_gradients_equal_trls(tokenizer, pairs_file):
+    """TRL's ORPO adds the NLL averaged over the chosen rows' prompt AND completion tokens of the batch; llmtune
+    (as the paper's L_SFT and llmtune's loss-on-completions rule) averages the completion's NLL per pair. So the
+    odds-ratio term is compared with TRL's `odds_ratio_loss`, and the NLL term with the per-pair formula."""
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+    cfg = PreferenceConfig(beta=0.3)
+    batch = pair_batch(tokenizer, pairs_file)
+    model = tiny_model(tokenizer)
+    mine = ours(model, "orpo", cfg, batch)
+    mine_grads = grads(model, mine)
+
+    trl = trl_layout(batch)
+    labels = trl["input_ids"].masked_fill(trl["completion_mask"] == 0, -100)
+    logits = model(input_ids=trl["input_ids"], attention_mask=trl["attention_mask"]).logits
+    chosen, rejected = ORPOTrainer.get_batch_logps(logits, labels, average_log_prob=True).chunk(2)
+    trainer = types.SimpleNamespace(beta=cfg.beta, accelerator=types.SimpleNamespace(device=torch.device("cpu")))
+    odds_ratio, _, _, _, _ = ORPOTrainer.odds_ratio_loss(trainer, chosen, rejected)
+    nll = -CPOTrainer.get_batch_logps(logits, labels, average_log_prob=True).chunk(2)[0]
+    theirs = (nll - odds_ratio).mean()
+    assert_same(mine, theirs, mine_grads, grads(model, theirs))
+
+
+# ---------------------------------------------------------------- packing
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_packed_pairs_give_the_unpacked_loss_and_gradients(tokenizer, pairs_file, objective):
+    cfg = PreferenceConfig()
+    packed_data = pair_data(pairs_file, tokenizer, packing=True)
+    unpacked_data = pair_data(pairs_file, tokenizer, packing=False)
+    rows = packed_data.train.select(range(3)).to_list()
+    packed = P.collate_pairs(rows, pad_token_id=tokenizer.pad_token_id, packed=True)
+    assert packed["input_ids"].shape[0] == 3 and P.pairs_in(packed) > 3  # several pairs per row
+    # The same pairs, unpacked: find each packed pair's rows among the unpacked examples by their tokens.
+    by_tokens = {tuple(e["input_ids"]): e for e in unpacked_data.train.to_list()}
+    examples = []
+    for row in rows:
+        spans = P.sequences_of(row)
+        for (a, _), (_, d) in zip(spans[0::2], spans[1::2], strict=True):
+            examples.append(by_tokens[tuple(row["input_ids"][a:d])])
+    unpacked = P.collate_pairs(examples, pad_token_id=tokenizer.pad_token_id, packed=False)
+    assert packed["input_ids"].numel() < unpacked["input_ids"].numel()  # less padding
+    model = tiny_model(tokenizer)
+    ref = -torch.rand(P.pairs_in(packed), 2) * 20
+    reference = "precomputed" if objective == "dpo" else "none"
+    a = ours(model, objective, cfg, packed | {"ref_logps": ref}, reference)
+    grads_a = grads(model, a)
+    b = ours(model, objective, cfg, unpacked | {"ref_logps": ref}, reference)
+    assert_same(a, b, grads_a, grads(model, b))
+
+
+# ---------------------------------------------------------------- data
+
+
+def trained_text(tokenizer, row: dict, side: int) -> str:
+    a, b = P.sequences_of(row)[side]
+    return tokenizer.decode(
+        [t for t, label in zip(row["input_ids"][a:b], row["labels"][a:b], strict=True) if label != -100]
+    )
+
+
+LAYOUTS = {
+    "strings": ({"prompt": "tell me", "chosen": " a story", "rejected": " the dog"}, {}),
+    "alpaca": ({"instruction": "tell me", "input": "the cat", "chosen": " a story", "rejected": " the dog"}, {}),
+    "chat_prompt": (
+        {
+            "prompt": [{"role": "user", "content": "tell me"}],
+            "chosen": [{"role": "assistant", "content": "a story"}],
+            "rejected": "the dog",
+        },
+        {},
+    ),
+    "shared_prefix": (
+        {
+            "chosen": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "a story"}],
+            "rejected": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the dog"}],
+        },
+        {},
+    ),
+    "sharegpt": (
+        {
+            "conversations": [{"from": "human", "value": "tell me"}],
+            "chosen": {"from": "gpt", "value": "a story"},
+            "rejected": {"from": "gpt", "value": "the dog"},
+        },
+        {},
+    ),
+    "mapped": (
+        {"q": "tell me", "good": " a story", "bad": " the dog"},
+        {"prompt": "q", "chosen": "good", "rejected": "bad"},
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_preference_layouts_train_only_the_completions(tmp_path, tokenizer, layout):
+    row, fields = LAYOUTS[layout]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    data = pair_data(path, tokenizer, packing=False, max_length=1024, fields=fields)
+    (example,) = data.train.to_list()
+    chosen, rejected = trained_text(tokenizer, example, 0), trained_text(tokenizer, example, 1)
+    assert "a story" in chosen and "dog" not in chosen and "tell" not in chosen and "hello" not in chosen
+    assert "the dog" in rejected and "story" not in rejected
+    assert chosen.endswith(("</s>", "<|im_end|>\n", "<|im_end|>"))  # trained to stop
+
+
+BROKEN = [
+    ({"prompt": "a", "chosen": "b"}, "row 2: field `rejected`: missing or null"),
+    ({"prompt": "a", "chosen": 3, "rejected": "c"}, "row 2: field `chosen`: must be a string or chat turns"),
+    ({"prompt": "a", "chosen": "  ", "rejected": "c"}, "row 2: field `chosen`: is empty"),
+    (
+        {"chosen": [{"role": "user", "content": "x"}], "rejected": [{"role": "user", "content": "y"}]},
+        "row 2: field `chosen`: no `prompt` and the two conversations share no first turn",
+    ),
+    ({"prompt": "a", "chosen": [{"role": "bot", "content": "x"}], "rejected": "c"}, "row 2: field `chosen`: turn 0"),
+]
+
+
+@pytest.mark.parametrize(("bad", "message"), BROKEN)
+def test_a_broken_pair_names_file_row_and_field(tmp_path, tokenizer, bad, message):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "tell me", "chosen": " yes", "rejected": " no"}) + "\n" + json.dumps(bad) + "\n"
+    )
+    with pytest.raises(DataError, match=f"^{path}: " + message.replace("`", ".").replace("(", ".").replace(")", ".")):
+        pair_data(path, tokenizer, packing=False)
+
+
+def test_a_broken_pair_stops_train_with_exit_2(tiny_recipe, tmp_path, capsys):
+    from llmtune.cli import main
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
+    recipe = tiny_recipe(training__objective="dpo", data__train=[{"path": str(path), "format": "preference"}])
+    assert main(["train", "--recipe", str(recipe)]) == 2
+    assert f"{path}: row 1: field `rejected`: missing" in capsys.readouterr().err
+
+
+def test_llmtune_data_show_prints_pairs(tiny_recipe, pairs_file, capsys):
+    from llmtune.cli import main
+
+    recipe = tiny_recipe(training__objective="dpo", data__train=[{"path": str(pairs_file), "format": "preference"}])
+    assert main(["data", "--recipe", str(recipe), "--show", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "next example" in out and out.count("[[") >= 2  # chosen and rejected, each with trained tokens
+
+
+def test_overlong_pairs_are_truncated_per_sequence(tmp_path, tokenizer):
+    path = tmp_path / "pairs.jsonl"
+    long = " ".join(["hello"] * 40)
+    path.write_text(json.dumps({"prompt": "tell me", "chosen": " " + long, "rejected": " the dog"}) + "\n")
+    data = pair_data(path, tokenizer, packing=False, max_length=32)
+    (example,) = data.train.to_list()
+    (a, b), (c, d) = P.sequences_of(example)
+    assert b - a == 16 and d - c < 16 and data.stats.truncated == 1
+
+
+# ---------------------------------------------------------------- recipe
+
+
+def test_a_key_of_another_objective_is_refused_naming_the_objective(tiny_recipe, pairs_file):
+    recipe = tiny_recipe(preference__gamma=1.0, preference__loss="ipo")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(recipe)
+    text = str(err.value)
+    assert "`preference.gamma` applies to training.objective simpo, not sft" in text
+    assert "`preference.loss` applies to training.objective dpo, not sft" in text
+    pairs = [{"path": str(pairs_file), "format": "preference"}]
+    with pytest.raises(RecipeError, match="training.objective dpo needs format: preference"):
+        load_recipe(tiny_recipe(training__objective="dpo"))
+    with pytest.raises(RecipeError, match="adapter_disabled needs LoRA"):
+        load_recipe(tiny_recipe(training__objective="dpo", data__train=pairs, preference__reference="adapter_disabled"))
+    assert load_recipe(tiny_recipe(training__objective="simpo", data__train=pairs, preference__gamma=1.0))
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def preference_recipe(tiny_recipe, pairs_file, objective: str = "dpo", **overrides) -> Path:
+    pairs = [{"path": str(pairs_file), "format": "preference"}]
+    return tiny_recipe(training__objective=objective, data__train=pairs, data__max_length=96, **overrides)
+
+
+def run_losses(output_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def train_recipe(path: Path, *overrides: str) -> dict:
+    from llmtune.train import train
+
+    return train(load_recipe(path, list(overrides)))
+
+
+def test_precomputed_reference_is_computed_once_then_reused(tiny_recipe, pairs_file, tmp_path, monkeypatch):
+    recipe = preference_recipe(tiny_recipe, pairs_file, training__max_steps=3)
+    train_recipe(recipe)
+    run = tmp_path / "run"
+    (cache,) = (run / "reference").glob("reference-*.json")
+    first = run_losses(run)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the cached reference log-probs were computed again")
+
+    monkeypatch.setattr(P, "compute_reference", never)
+    train_recipe(recipe)  # a second run over the same model, data and settings
+    assert run_losses(run) == pytest.approx(first, rel=1e-6)
+    # Other data is another key: computed anew, beside the first.
+    monkeypatch.undo()
+    other = write_pairs(tmp_path / "other.jsonl", seed=1)
+    train_recipe(recipe, f"data.train=[{{path: {other}, format: preference}}]", f"output_dir={tmp_path / 'run2'}")
+    assert len(list((tmp_path / "run2" / "reference").glob("reference-*.json"))) == 1
+
+
+@pytest.mark.parametrize(
+    ("reference", "twin", "peft"),
+    [("copy", "precomputed", "none"), ("adapter_disabled", "precomputed", "lora")],
+)
+def test_every_reference_gives_the_same_training(tiny_recipe, pairs_file, tmp_path, reference, twin, peft):
+    """The reference is the starting model however it is obtained: a frozen copy, the base with adapters
+    off, or log-probs computed before training — so the losses agree step by step."""
+    recipe = preference_recipe(tiny_recipe, pairs_file, training__max_steps=3, peft__method=peft)
+    train_recipe(recipe, f"preference.reference={reference}", f"output_dir={tmp_path / 'a'}")
+    train_recipe(recipe, f"preference.reference={twin}", f"output_dir={tmp_path / 'b'}")
+    a, b = run_losses(tmp_path / "a"), run_losses(tmp_path / "b")
+    assert a == pytest.approx(b, rel=1e-5) and a[0] == pytest.approx(0.6931, abs=1e-3)  # log 2: policy = reference
+
+
+@pytest.mark.parametrize("objective", ["orpo", "simpo"])
+def test_reference_free_objectives_train_and_log_preference_metrics(tiny_recipe, pairs_file, tmp_path, objective):
+    recipe = preference_recipe(tiny_recipe, pairs_file, objective, training__max_steps=3)
+    summary = train_recipe(recipe)
+    assert not (tmp_path / "run" / "reference").exists()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+    for r in steps:
+        assert r["reward_margin"] == pytest.approx(r["rewards_chosen"] - r["rewards_rejected"])
+        assert 0 <= r["preference_accuracy"] <= 1
+    assert Path(summary["final_dir"], "config.json").exists()
+    if objective == "orpo":  # `llmtune plot` draws the rewards and the accuracy (one objective is enough)
+        from llmtune.plot import plot_run
+
+        assert plot_run(tmp_path / "run")[0].stat().st_size > 0
+
+
+def test_dpo_in_bf16_with_checkpointing_trains(tiny_recipe, pairs_file, tmp_path):
+    recipe = preference_recipe(
+        tiny_recipe,
+        pairs_file,
+        training__max_steps=2,
+        training__precision="bf16",
+        training__gradient_checkpointing=True,
+    )
+    summary = train_recipe(recipe)
+    assert summary["precision"] == "bf16" and summary["gradient_checkpointing"]
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in run_losses(tmp_path / "run"))
+
+
+@pytest.mark.slow
+def test_dpo_resumes_exactly_after_sigkill(tiny_recipe, pairs_file, tmp_path):
+    from test_resilience import PAUSING_ENTRY, entry, losses_by_step, start_and_kill_when
+
+    from llmtune import checkpoint
+
+    recipe = preference_recipe(tiny_recipe, pairs_file, training__max_steps=6, checkpoint__every_n_steps=2)
+    subprocess.run(entry(recipe, f"output_dir={tmp_path / 'ref'}"), check=True, capture_output=True)
+    reference = losses_by_step(tmp_path / "ref")
+    run = tmp_path / "killed"
+    entry_file = tmp_path / "pausing_entry.py"
+    entry_file.write_text(PAUSING_ENTRY)
+    cmd = [sys.executable, str(entry_file), "--recipe", str(recipe), f"output_dir={run}"]
+    start_and_kill_when(cmd, run / "checkpoints" / "step-000004" / checkpoint.STATE_FILE, {"PAUSE_STEP": "4"})
+    cache = list((run / "reference").glob("reference-*.json"))
+    stamp = cache[0].stat().st_mtime_ns
+    subprocess.run(entry(recipe, f"output_dir={run}", "checkpoint.resume=auto"), check=True, capture_output=True)
+    resumed = losses_by_step(run)
+    assert sorted(resumed) == list(range(1, 7))
+    for step, loss in reference.items():
+        assert resumed[step] == pytest.approx(loss, rel=1e-6), step
+    assert cache[0].stat().st_mtime_ns == stamp  # the resume read the reference cache, it did not recompute it
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_dpo_on_two_processes_equals_one(tiny_recipe, pairs_file, tmp_path):
+    from test_distributed import launch, losses, single_process
+
+    recipe = preference_recipe(tiny_recipe, pairs_file, training__micro_batch_size=2, training__max_steps=3)
+    one = single_process(recipe, tmp_path / "one")
+    proc = subprocess.run(launch(recipe, f"output_dir={tmp_path / 'ddp'}"), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "ddp" / "run_summary.json").read_text())
+    assert (summary["num_processes"], summary["micro_batch_size"], summary["grad_accum_steps"]) == (2, 2, 2)
+    assert summary["trained_tokens"] == one["trained_tokens"]
+    single, ddp = losses(tmp_path / "one"), losses(tmp_path / "ddp")
+    for step in single:
+        assert ddp[step] == pytest.approx(single[step], rel=1e-4), step
+    # The reference cache was computed by both processes, each for its share, into the same values.
+    (a,) = (tmp_path / "one" / "reference").glob("*.json")
+    (b,) = (tmp_path / "ddp" / "reference").glob("*.json")
+    assert a.name == b.name
+    flat_a, flat_b = ([v for row in json.loads(f.read_text()) for v in row] for f in (a, b))
+    assert flat_a == pytest.approx(flat_b, abs=1e-4)
+
+
+def test_pairs_without_trained_tokens_add_nothing(tokenizer, pairs_file):
+    """eval_batches tops a short shard up with a copy of row 0 whose labels are all -100: it must add no loss
+    and no pair, as a filler row adds no token to SFT's loss."""
+    data = pair_data(pairs_file, tokenizer, packing=True)
+    rows = data.train.select(range(2)).to_list()
+    filler = dict(rows[0], labels=[-100] * len(rows[0]["labels"]))
+    model = tiny_model(tokenizer)
+    module = P.PreferenceModel(model, "chunked", "orpo", PreferenceConfig(), "none")
+    plain = P.collate_pairs(rows, pad_token_id=tokenizer.pad_token_id, packed=True)
+    padded = P.collate_pairs([*rows, filler], pad_token_id=tokenizer.pad_token_id, packed=True)
+    assert P.pairs_in(padded) == P.pairs_in(plain)
+    assert torch.allclose(module(**padded), module(**plain), atol=1e-5)
