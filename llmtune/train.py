@@ -386,6 +386,9 @@ def fit(run: Run) -> dict[str, Any]:
     steady_peak = steady_reserved = 0  # the first optimizer step is lower: AdamW states appear during it
     step = run.start_step
     started = time.perf_counter()
+    # from_pretrained returns the model in eval mode, and transformers checkpoints activations (and applies
+    # dropout) only in training mode: without this the steps before the first evaluation ran with neither.
+    model.train()
     with Preemption() as preemption:
         while step < r.training.max_steps:
             examples = batch_for_step(

@@ -44,7 +44,7 @@ import math
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -60,6 +60,8 @@ PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
 OPTIMIZERS = ("adamw", "adamw_fused", "adamw_bf16", "adamw_8bit")
 LOSSES = ("hf", "chunked")
 LAYOUTS = ("packed", "padded")
+OBJECTIVES = ("sft", "dpo", "orpo", "simpo")
+REFERENCES = ("none", "adapter_disabled", "copy", "precomputed")
 SHARDINGS = ("none", "fsdp", "zero2", "zero3")
 DEVICES = ("cuda", "cpu")
 PHASES = ("forward", "backward", "optimizer_step")
@@ -108,14 +110,16 @@ class MemoryEstimate:
 # the traced step
 
 
-def _validate(precision: str, optimizer: str, loss: str, sharding: str, device: str, layout: str) -> None:
+def _validate(s: _Settings) -> None:
     for name, value, allowed in (
-        ("layout", layout, LAYOUTS),
-        ("precision", precision, PRECISIONS),
-        ("optimizer", optimizer, OPTIMIZERS),
-        ("loss", loss, LOSSES),
-        ("sharding", sharding, SHARDINGS),
-        ("device", device, DEVICES),
+        ("objective", s.objective, OBJECTIVES),
+        ("reference", s.reference, REFERENCES),
+        ("layout", s.layout, LAYOUTS),
+        ("precision", s.precision, PRECISIONS),
+        ("optimizer", s.optimizer, OPTIMIZERS),
+        ("loss", s.loss, LOSSES),
+        ("sharding", s.sharding, SHARDINGS),
+        ("device", s.device, DEVICES),
     ):
         if value not in allowed:
             raise ValueError(f"{name}={value!r}; expected one of {allowed}")
@@ -259,6 +263,8 @@ class _Settings:
     ddp_bucket_view: bool
     trained_fraction: float
     expandable_segments: bool
+    objective: str
+    reference: str
 
 
 @dataclass
@@ -273,7 +279,7 @@ class _TraceCounter(LiveStorageCounter):
     of the step (embedding, each layer's forward and backward, head and loss, optimizer step),
     so that a trace of a few layers can be extrapolated to many."""
 
-    def __init__(self, trained_fraction: float, chunk_rows: int, **kwargs: Any) -> None:
+    def __init__(self, trained_fraction: float, chunk_rows: int | None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.trained_fraction = trained_fraction
         self.chunk_rows = chunk_rows
@@ -303,9 +309,10 @@ class _TraceCounter(LiveStorageCounter):
 
         The loss then loops over chunks of these rows, each chunk's buffers freed before the next, so the
         loop's peak is that of its second chunk: rows past two chunks are not traced (at 64k tokens that is
-        hundreds of identical iterations). A stand-in of their size keeps the index tensor's bytes exact."""
+        hundreds of identical iterations). A stand-in of their size keeps the index tensor's bytes exact.
+        `chunk_rows=None` traces every row (the preference objectives keep the selected rows' hidden states)."""
         rows = math.ceil(labels_mask.numel() * self.trained_fraction)
-        traced = min(rows, 2 * self.chunk_rows)
+        traced = rows if self.chunk_rows is None else min(rows, 2 * self.chunk_rows)
         out = torch.empty((traced, labels_mask.dim()), dtype=torch.long)
         self.register(out)
         if traced < rows:
@@ -347,12 +354,43 @@ class _TraceCounter(LiveStorageCounter):
 
 def _batch(s: _Settings) -> dict[str, torch.Tensor]:
     """A micro-batch as `llmtune.data.collate` makes it: packed rows carry position ids and no attention
-    mask (transformers builds the block-diagonal mask itself), padded rows an attention mask."""
-    shape = (s.micro_batch_size, s.seq_len)
-    ids = {"input_ids": torch.zeros(shape, dtype=torch.long), "labels": torch.zeros(shape, dtype=torch.long)}
+    mask (transformers builds the block-diagonal mask itself), padded rows an attention mask.
+
+    Preference pairs as `llmtune.preference.collate_pairs` makes them: packed, `micro_batch_size` rows of
+    `seq_len` tokens holding whole pairs (counted as one pair a row: only [pairs, 2] tensors depend on it);
+    padded, a row per sequence, chosen and rejected, each `seq_len // 2` long (a pair fills `max_length`)."""
+    rows, width = s.micro_batch_size, s.seq_len
+    pairs = s.objective != "sft"
+    if pairs and s.layout == "padded":
+        rows, width = 2 * s.micro_batch_size, max(2, s.seq_len // 2)
+    ids = {
+        "input_ids": torch.zeros((rows, width), dtype=torch.long),
+        "labels": torch.zeros((rows, width), dtype=torch.long),
+    }
+    if pairs:
+        ids |= {
+            "segment_ids": torch.zeros((rows, width), dtype=torch.long),
+            "pair_ids": torch.arange(s.micro_batch_size),
+        }
+        if s.reference == "precomputed":
+            ids["ref_logps"] = torch.zeros((s.micro_batch_size, 2), dtype=torch.float32)
     if s.layout == "packed":
-        return ids | {"position_ids": torch.zeros(shape, dtype=torch.long)}
-    return ids | {"attention_mask": torch.ones(shape, dtype=torch.long)}
+        return ids | {"position_ids": torch.zeros((rows, width), dtype=torch.long)}
+    return ids | {"attention_mask": torch.ones((rows, width), dtype=torch.long)}
+
+
+def _step_module(config: Any, model: torch.nn.Module, s: _Settings) -> torch.nn.Module:
+    """What the loop trains (`llmtune.train.training_module`): SFT's loss module or the preference objective's,
+    with a frozen copy for `reference="copy"` (its weights count as `reference_weights`)."""
+    if s.objective == "sft":
+        return CausalLMWithLoss(model, s.loss, s.chunk_size)
+    from llmtune.preference import PreferenceModel
+    from llmtune.recipe import PreferenceConfig
+
+    frozen = None
+    if s.reference == "copy":
+        frozen = _build_model(config, replace(s, lora=None)).requires_grad_(False).eval()
+    return PreferenceModel(model, s.loss, s.objective, PreferenceConfig(), s.reference, frozen, s.chunk_size)
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
@@ -398,7 +436,7 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
             enable_gradient_checkpointing(model, context_fn=(lambda: (nullcontext(), CudaKernels())) if cuda else None)
         model.train()
         # The module the training loop runs (and refuses what it refuses, with the same message).
-        step_module = CausalLMWithLoss(model, s.loss, s.chunk_size)
+        step_module = _step_module(config, model, s)
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = _build_optimizer(trainable, s.optimizer, s.device)
         # Steady state: AdamW creates its states at the first step(), so make them exist now
@@ -423,7 +461,8 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
             "optimizer_states": nbytes(state_tensors),
         }
 
-        counter = _TraceCounter(s.trained_fraction, s.chunk_size, round_to=_CUDA_BLOCK if s.device == "cuda" else 1)
+        chunk_rows = s.chunk_size if s.objective == "sft" else None
+        counter = _TraceCounter(s.trained_fraction, chunk_rows, round_to=_CUDA_BLOCK if s.device == "cuda" else 1)
         for tag, factor in plan.scale.items():
             counter.set_scale(tag, factor)
         for p in model.parameters():
@@ -432,6 +471,10 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
                 counter.register(p.grad, "gradients")
         for b in model.buffers():
             counter.register(b, "weights")
+        for w in (
+            getattr(step_module, "_reference_model", (None,))[0].state_dict().values() if s.reference == "copy" else ()
+        ):
+            counter.register(w, "reference_weights")
         for v in state_tensors:
             counter.register(v, "optimizer_states")
         batch = _batch(s)
@@ -485,7 +528,7 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
             counter.extra_bytes = plan.always_extra + plan.fwd_bwd_extra
             counter.set_segment("pre")
             with autocast, CudaKernels() if s.device == "cuda" else nullcontext():
-                step_loss = step_module(**batch)
+                step_loss = step_module(**batch).reshape(-1)[0]  # preference: [loss, *statistics]
                 if s.precision == "fp16":
                     step_loss = step_loss * 65536.0  # GradScaler's scaled loss: a scalar
             counter.phase = "backward"
@@ -548,6 +591,8 @@ def estimate(
     ddp_bucket_view: bool = False,
     trained_fraction: float = 1.0,
     expandable_segments: bool = True,
+    objective: str = "sft",
+    reference: str = "none",
     max_traced_layers: int = 4,
 ) -> MemoryEstimate:
     """Peak bytes of a steady-state training micro-step of `config` on one process.
@@ -559,8 +604,9 @@ def estimate(
     DDP with its gradient buckets unless `ddp_bucket_view` (gradient_as_bucket_view=True).
     Models with more than `max_traced_layers` layers (in units of the layer-kind period) are
     traced at 1 and 2 periods and extrapolated linearly in the layer count.
+    `objective` other than "sft" traces `llmtune.preference.PreferenceModel` on pairs (`micro_batch_size`
+    examples, each a pair), with its `reference` forward (adapter_disabled, a frozen copy) or none.
     """
-    _validate(precision, optimizer, loss, sharding, device, layout)
     if micro_batch_size < 1 or seq_len < 2:
         raise ValueError("micro_batch_size must be >= 1 and seq_len >= 2")
     if not 0 < trained_fraction <= 1:
@@ -583,7 +629,10 @@ def estimate(
         ddp_bucket_view=ddp_bucket_view,
         trained_fraction=trained_fraction,
         expandable_segments=expandable_segments,
+        objective=objective,
+        reference=reference,
     )
+    _validate(s)
     layers = int(config.num_hidden_layers)
     period = _layer_period(config)
     if layers <= max_traced_layers * period or layers % period:

@@ -317,6 +317,7 @@ def estimate_settings(
     """
     from llmtune.memory.estimate import LoraSpec
     from llmtune.model import resolve_precision
+    from llmtune.preference import resolve_reference
 
     t, peft = recipe.training, recipe.peft
     if precision is None and device == "cuda":  # planning for a GPU that may not be this machine's
@@ -346,6 +347,8 @@ def estimate_settings(
         device=device,
         trained_fraction=max(trained_fraction, 1 / recipe.data.max_length),
         expandable_segments=expandable_segments(recipe),
+        objective=t.objective,
+        reference=resolve_reference(t.objective, recipe.preference, peft.method),
     )
 
 
@@ -400,6 +403,7 @@ def format_plan(plan: BatchPlan, title: str) -> str:
         f" {s['num_processes']} process(es), sharding {s['sharding']}",
         f"{s['precision']}, checkpointing {'on' if s['gradient_checkpointing'] else 'off'},"
         f" {s['attn_implementation']} attention, {s['optimizer']}, {s['loss']} loss"
+        + (f", {s['objective']} on pairs (reference: {s['reference']})" if s.get("objective", "sft") != "sft" else "")
         + (f", {_METHOD_NAMES[s['lora']['method']]} r={s['lora']['rank']}" if s.get("lora") else ""),
         f"predicted peak {format_bytes(plan.predicted_peak_bytes)} of a {format_bytes(plan.budget_bytes)} budget"
         + ("" if plan.fits else ": DOES NOT FIT")
