@@ -500,22 +500,26 @@ def test_dpo_resumes_exactly_after_sigkill(tiny_recipe, pairs_file, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_dpo_on_two_processes_equals_one(tiny_recipe, pairs_file, tmp_path):
-    from test_distributed import launch, losses, single_process
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_dpo_on_two_processes_equals_one(tiny_recipe, pairs_file, tmp_path, engine):
+    from test_distributed import ROOT, launch, losses
 
     recipe = preference_recipe(tiny_recipe, pairs_file, training__micro_batch_size=2, training__max_steps=3)
-    one = single_process(recipe, tmp_path / "one")
-    proc = subprocess.run(launch(recipe, f"output_dir={tmp_path / 'ddp'}"), capture_output=True, text=True)
+    one = train_recipe(recipe, f"output_dir={tmp_path / 'one'}")
+    config = ROOT / "recipes" / "accelerate" / "fsdp2.yaml" if engine == "fsdp2" else None
+    proc = subprocess.run(
+        launch(recipe, f"output_dir={tmp_path / engine}", config=config), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "ddp" / "run_summary.json").read_text())
-    assert (summary["num_processes"], summary["micro_batch_size"], summary["grad_accum_steps"]) == (2, 2, 2)
-    assert summary["trained_tokens"] == one["trained_tokens"]
-    single, ddp = losses(tmp_path / "one"), losses(tmp_path / "ddp")
+    summary = json.loads((tmp_path / engine / "run_summary.json").read_text())
+    assert (summary["engine"], summary["num_processes"], summary["micro_batch_size"]) == (engine, 2, 2)
+    assert summary["grad_accum_steps"] == 2 and summary["trained_tokens"] == one["trained_tokens"]
+    single, several = losses(tmp_path / "one"), losses(tmp_path / engine)
     for step in single:
-        assert ddp[step] == pytest.approx(single[step], rel=1e-4), step
+        assert several[step] == pytest.approx(single[step], rel=1e-4), step
     # The reference cache was computed by both processes, each for its share, into the same values.
     (a,) = (tmp_path / "one" / "reference").glob("*.json")
-    (b,) = (tmp_path / "ddp" / "reference").glob("*.json")
+    (b,) = (tmp_path / engine / "reference").glob("*.json")
     assert a.name == b.name
     flat_a, flat_b = ([v for row in json.loads(f.read_text()) for v in row] for f in (a, b))
     assert flat_a == pytest.approx(flat_b, abs=1e-4)
