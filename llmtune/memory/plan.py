@@ -317,7 +317,6 @@ def estimate_settings(
     """
     from llmtune.memory.estimate import LoraSpec
     from llmtune.model import resolve_precision
-    from llmtune.preference import resolve_reference
 
     t, peft = recipe.training, recipe.peft
     if precision is None and device == "cuda":  # planning for a GPU that may not be this machine's
@@ -348,8 +347,17 @@ def estimate_settings(
         trained_fraction=max(trained_fraction, 1 / recipe.data.max_length),
         expandable_segments=expandable_segments(recipe),
         objective=t.objective,
-        reference=resolve_reference(t.objective, recipe.preference, peft.method),
+        reference=_reference(recipe),
     )
+
+
+def _reference(recipe: Recipe) -> str:
+    if recipe.training.objective == "sft":
+        return "none"
+    # Only here: llmtune.preference brings in the data pipeline (datasets, pyarrow: ~1 s of imports).
+    from llmtune.preference import resolve_reference
+
+    return resolve_reference(recipe.training.objective, recipe.preference, recipe.peft.method)
 
 
 def resolve_budget(text: str, device: str | torch.device) -> int:
