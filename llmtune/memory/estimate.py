@@ -319,8 +319,8 @@ class _TraceCounter(LiveStorageCounter):
             rest = torch.empty(((rows - traced) * labels_mask.dim(),), dtype=torch.long)
             self.register(rest)
             # Freed with the index tensor it stands for.
-            self._untraced_rows[id(out.untyped_storage())] = rest
             key = id(out.untyped_storage())
+            self._untraced_rows[key] = rest
             weakref.finalize(out.untyped_storage(), self._untraced_rows.pop, key, None)
         return out
 
@@ -471,10 +471,9 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
                 counter.register(p.grad, "gradients")
         for b in model.buffers():
             counter.register(b, "weights")
-        for w in (
-            getattr(step_module, "_reference_model", (None,))[0].state_dict().values() if s.reference == "copy" else ()
-        ):
-            counter.register(w, "reference_weights")
+        if s.reference == "copy":  # the frozen copy PreferenceModel keeps outside its parameters
+            for w in step_module._reference_model[0].state_dict().values():
+                counter.register(w, "reference_weights")
         for v in state_tensors:
             counter.register(v, "optimizer_states")
         batch = _batch(s)
