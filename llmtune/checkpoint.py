@@ -142,6 +142,11 @@ def load_checkpoint(
         parallel.load_sharded(model, optimizer, path, trainable_only)
     strict = {"load_module_strict" if parallel.is_deepspeed(engine) else "strict": not trainable_only}
     accelerator.load_state(str(path), **strict)
+    return saved_state(path)
+
+
+def saved_state(path: Path) -> dict[str, Any]:
+    """The checkpoint's `trainer_state.json`: step, counters, the batch plan."""
     return json.loads((path / STATE_FILE).read_text())
 
 

@@ -91,6 +91,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         estimate_settings,
         format_plan,
         plan_for_budget,
+        plan_rates,
         planning_target,
         recipe_for_model,
     )
@@ -121,11 +122,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     settings = estimate_settings(
         recipe, loss=resolve_loss_impl(recipe.training.loss, config), device=target.device, sharding=args.sharding
     )
-    plan = plan_for_budget(recipe, config, settings, budget_bytes=target.budget_bytes, num_processes=args.num_processes)
+    rates = plan_rates(target.device, settings["precision"], config, recipe.data.max_length, gpu=args.gpu)
+    plan = plan_for_budget(
+        recipe, config, settings, budget_bytes=target.budget_bytes, num_processes=args.num_processes, rates=rates
+    )
     if args.plot:
         from llmtune.plot import plot_estimate
 
-        plot_estimate(recipe, config, settings, plan, args.num_processes, args.plot)
+        plot_estimate(plan, f"{model.name_or_path}: memory against speed", args.plot)
     if args.json:
         print(json.dumps(plan.to_dict() | {"device": target.device, "budget_from": target.why}))
         return 0

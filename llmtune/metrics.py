@@ -24,7 +24,6 @@ import functools
 import importlib.util
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from llmtune.catalogue import DATASHEET_PEAKS, datasheet_peak_flops  # noqa: F401 (DATASHEET_PEAKS: re-exported)
 from llmtune.model import numel
 from llmtune.recipe import flatten
 
@@ -88,41 +88,6 @@ def model_flops(model: torch.nn.Module) -> ModelFlops:
     head_flops = (6 if any(p.requires_grad for p in head) else 4) * config.vocab_size * config.hidden_size
     attention = 12 * config.num_hidden_layers * config.hidden_size
     return ModelFlops(float(decoder), float(head_flops), float(attention))
-
-
-# Dense (no 2:4 sparsity) bf16/fp16 tensor-core peaks from NVIDIA's datasheets and architecture whitepapers,
-# in TFLOP/s, matched in order on the lower-cased `torch.cuda.get_device_name()`. GeForce/RTX cards: FP32
-# accumulate (what PyTorch uses), half the FP16-accumulate figure. Cards without a published figure
-# (e.g. AWS's A10G) are measured instead.
-DATASHEET_PEAKS: list[tuple[str, float]] = [
-    (r"h200 nvl", 835.5),
-    (r"h200", 989.5),  # SXM; same tensor cores as the H100 SXM
-    (r"h100 nvl", 835.5),
-    (r"h100 pcie", 756.5),
-    (r"h100", 989.5),  # SXM ("NVIDIA H100 80GB HBM3")
-    (r"h800", 989.5),
-    (r"a100", 312.0),  # SXM and PCIe, 40 and 80 GB
-    (r"a800", 312.0),
-    (r"l40s", 362.05),
-    (r"l40\b", 181.05),
-    (r"\bl4\b", 121.0),
-    (r"\ba10\b", 125.0),
-    (r"rtx 4090", 165.2),
-    (r"rtx 3090", 71.0),
-    (r"rtx a6000", 154.8),
-    (r"v100.*sxm", 125.0),  # fp16 only (no bf16)
-    (r"v100", 112.0),
-    (r"\bt4\b", 65.0),  # fp16 only
-]
-
-
-def datasheet_peak_flops(device_name: str) -> float | None:
-    """Dense 16-bit tensor-core FLOP/s of a GPU known by name, or None."""
-    name = device_name.lower()
-    for pattern, tflops in DATASHEET_PEAKS:
-        if re.search(pattern, name):
-            return tflops * 1e12
-    return None
 
 
 @functools.cache  # measured once per process and device: every run of a process (bench, tests) shares it

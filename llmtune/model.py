@@ -14,12 +14,13 @@ import re
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from llmtune.catalogue import MODELS, model_config_dir
-from llmtune.recipe import ModelConfig, PeftConfig, Recipe
+from llmtune.recipe import Checkpointing, ModelConfig, PeftConfig, Recipe, checkpointing_of
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +170,16 @@ def check_attn_implementation(config: PretrainedConfig, attn: str, *, installed:
 
 
 def load_model(
-    recipe: Recipe, precision: str, config: PretrainedConfig, device: torch.device | None = None
+    recipe: Recipe,
+    precision: str,
+    config: PretrainedConfig,
+    device: torch.device | None = None,
+    checkpointing: Checkpointing | None = None,
 ) -> PreTrainedModel:
-    """Load (or randomly initialise, on `device`) the model, enable checkpointing, wrap with adapters."""
+    """Load (or randomly initialise, on `device`) the model, checkpoint its layers as `checkpointing` says (the
+    memory plan's choice; by default the recipe's, off for `auto`), wrap with adapters."""
+    if checkpointing is None:
+        checkpointing = checkpointing_of(recipe.training.gradient_checkpointing) or Checkpointing(0)
     cfg = recipe.model
     check_attn_implementation(config, cfg.attn_implementation)
     # Mixed precision keeps fp32 master weights; autocast makes the bf16/fp16 copies on the fly.
@@ -194,10 +202,9 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, revision=cfg.revision, **kwargs)
     # A KV cache is useless in training, costs memory, and lets packed examples attend to each other.
     model.config.use_cache = False
-    if recipe.training.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+    apply_checkpointing(model, checkpointing)
     if recipe.peft.method != "none":
-        model = apply_peft(model, recipe.peft, gradient_checkpointing=recipe.training.gradient_checkpointing)
+        model = apply_peft(model, recipe.peft, gradient_checkpointing=checkpointing.enabled)
     if recipe.training.compile:
         compile_blocks(model)
     return model
@@ -234,14 +241,79 @@ def decoder_blocks(
     return blocks
 
 
-def enable_gradient_checkpointing(model: PreTrainedModel, context_fn: Callable | None = None) -> None:
-    """Non-reentrant checkpointing through transformers' API (renamed in 5.x; keep working on both).
-    `context_fn` is torch.utils.checkpoint's: (forward context, recompute context)."""
+# Selective checkpointing keeps what is expensive to recompute -- matmuls and attention -- and recomputes the
+# element-wise ops (norms, activations, rotary, residual adds), which cost memory but little time.
+_KEPT_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def _selective_policy(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _context_fn(selective: bool, recompute: Callable[[], Any] | None) -> Callable | None:
+    """torch.utils.checkpoint's `context_fn` (forward context, recompute context): selective checkpointing's
+    policy, and/or `recompute` entered around every recomputation (the memory estimator's CUDA kernels)."""
+    if not selective and recompute is None:
+        return None
+
+    def contexts() -> tuple[Any, Any]:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        forward, again = create_selective_checkpoint_contexts(_selective_policy) if selective else (None, None)
+        return forward or contextlib.nullcontext(), _Both(again, recompute() if recompute else None)
+
+    return contexts
+
+
+class _Both:
+    """Enter two context managers (either may be None) as one."""
+
+    def __init__(self, *contexts: Any) -> None:
+        self.contexts = [c for c in contexts if c is not None]
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> None:
+        for c in self.contexts:
+            self.stack.enter_context(c)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.__exit__(*exc)
+
+
+def apply_checkpointing(
+    model: PreTrainedModel, spec: Checkpointing, recompute: Callable[[], Any] | None = None
+) -> None:
+    """Non-reentrant checkpointing of decoder layers 0, k, 2k, ... (`spec.every_n_layers`) through transformers'
+    API (renamed in 5.x; keep working on both), selective or offloaded as `spec` says. `recompute` makes a
+    context entered around each recomputation. Layers not chosen keep their activations, as without it."""
+    if not spec.enabled:
+        return
+    context_fn = _context_fn(spec.selective, recompute)
     kwargs: dict = {"use_reentrant": False} | ({"context_fn": context_fn} if context_fn else {})
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        extra = {"offload": True} if spec.offload else {}
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **extra)
+    elif spec.offload:
+        raise SetupError("training.gradient_checkpointing.offload needs transformers >= 5 (activation offloading)")
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if spec.every_n_layers > 1:
+        # Set here rather than through transformers 5's own every_n_layers, so that 4.x counts the same layers.
+        flagged = [
+            m for m in decoder_blocks(model, "checkpointing every_n_layers") if hasattr(m, "gradient_checkpointing")
+        ]
+        for i, layer in enumerate(flagged):
+            layer.gradient_checkpointing = i % spec.every_n_layers == 0
 
 
 @contextlib.contextmanager
@@ -259,8 +331,8 @@ def apply_peft(model: PreTrainedModel, cfg: PeftConfig, *, gradient_checkpointin
     if cfg.method == "qlora":
         model = prepare_model_for_kbit_training(
             model,
-            use_gradient_checkpointing=gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
+            # apply_checkpointing has already chosen the layers; peft would re-enable checkpointing on all of them.
+            use_gradient_checkpointing=False,
         )
     if gradient_checkpointing and not getattr(model, "_require_grads_hook", None):
         # Frozen embeddings produce outputs that need no grad; a checkpointed block whose inputs need

@@ -190,57 +190,43 @@ def plot_bench(rows: list[dict], path: Path) -> Path:
 # ---------------------------------------------------------------- a memory estimate
 
 
-def plot_estimate(recipe: Any, config: Any, settings: Any, plan: Any, num_processes: int, path: str | Path) -> Path:
-    """Stacked bars of the estimated peak's breakdown (weights, gradients, optimizer states, activations...)
-    at the micro-batches the planner may choose (divisors of the per-process batch), with the budget as a
-    line and the planned micro-batch marked.
-
-    `settings`: the keyword arguments of `llmtune.memory.estimate.estimate` other than micro_batch_size,
-    seq_len, num_processes and grad_accum_steps (a mapping, or a dataclass of them); `plan`: anything with
-    `micro_batch_size` and `budget_bytes` (a `MemoryPlan`). Each bar is one estimate (seconds each), so at
-    most 8 micro-batches are drawn.
-    """
-    import dataclasses
-
-    from llmtune.memory.estimate import estimate
-
+def plot_estimate(plan: Any, title: str, path: str | Path) -> Path:
+    """Predicted peak memory against predicted tokens/s of what the planner weighed (`BatchPlan.frontier`), the
+    budget as a vertical line, the choice circled: the tutorial's trade, memory saved for speed paid, drawn for
+    this model. Candidates ruled out without an estimate have no peak and are not drawn."""
     plt = _pyplot()
-    kwargs = dataclasses.asdict(settings) if dataclasses.is_dataclass(settings) else dict(settings)
-    per_process = recipe.training.global_batch_size // num_processes
-    sizes = [m for m in range(1, per_process + 1) if per_process % m == 0]
-    if len(sizes) > 8:  # keep the ends and the planned one, spread the rest
-        step = (len(sizes) - 1) / 7
-        sizes = sorted({sizes[round(i * step)] for i in range(8)} | {plan.micro_batch_size})
-    estimates = [
-        estimate(
-            config,
-            micro_batch_size=m,
-            seq_len=recipe.data.max_length,
-            num_processes=num_processes,
-            grad_accum_steps=per_process // m,
-            **kwargs,
+    points = [c for c in plan.frontier if c["predicted_peak_bytes"] is not None]
+    fig, ax = plt.subplots(figsize=(8, 5), constrained_layout=True)
+    for fits, color in ((True, "tab:green"), (False, "tab:gray")):
+        chosen = [c for c in points if bool(c["fits"]) == fits]
+        ax.scatter(
+            [c["predicted_peak_bytes"] / 2**30 for c in chosen],
+            [c["predicted_tokens_per_s"] for c in chosen],
+            color=color,
+            label="fits" if fits else "over the budget",
         )
-        for m in sizes
-    ]
-    parts = sorted(
-        {k for e in estimates for k in e.breakdown}, key=lambda k: -max(e.breakdown.get(k, 0) for e in estimates)
+        for c in chosen:
+            ax.annotate(
+                f"{c['checkpointing']}, micro {c['micro_batch_size']}",
+                (c["predicted_peak_bytes"] / 2**30, c["predicted_tokens_per_s"]),
+                fontsize=7,
+                xytext=(4, 2),
+                textcoords="offset points",
+            )
+    ax.scatter(
+        [plan.predicted_peak_bytes / 2**30],
+        [plan.predicted_tokens_per_s or 0],
+        s=200,
+        facecolors="none",
+        edgecolors="black",
+        label="chosen",
     )
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(sizes) + 3), 5), constrained_layout=True)
-    bottom = [0.0] * len(sizes)
-    for part in parts:
-        heights = [e.breakdown.get(part, 0) / 2**30 for e in estimates]
-        ax.bar(range(len(sizes)), heights, bottom=bottom, label=part.replace("_", " "))
-        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    budget = plan.budget_bytes / 2**30
-    ax.axhline(budget, color="red", linestyle="--", label=f"budget {budget:.2f} GiB")
-    labels = [f"{m}\n(planned)" if m == plan.micro_batch_size else str(m) for m in sizes]
-    ax.set_ylim(0, 1.3 * max(budget, *bottom))  # room for the legend above the budget line
-    ax.set_xticks(range(len(sizes)), labels)
-    ax.set_xlabel(f"micro-batch ({recipe.data.max_length} tokens per row, {num_processes} process(es))")
-    ax.set_ylabel("estimated peak, GiB")
-    ax.set_title(f"{recipe.model.name_or_path}: estimated peak memory per process, by part")
-    ax.legend(fontsize=8, loc="upper left")
-    ax.grid(axis="y", alpha=0.3)
+    ax.axvline(plan.budget_bytes / 2**30, color="red", linestyle="--", label="budget")
+    ax.set_xlabel("predicted peak memory per process, GiB")
+    ax.set_ylabel("predicted tokens/s per process")
+    ax.set_title(_shorten(title, 90), fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)

@@ -90,6 +90,54 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class Checkpointing:
+    every_n_layers: int = doc(
+        "Recompute decoder layers 0, k, 2k, ... in backward (transformers' every_n_layers); 1: every layer; 0: none.", 1
+    )
+    selective: bool = doc(
+        "In a recomputed layer, keep the outputs of matmuls and attention and recompute only the element-wise ops"
+        " (norms, activations, residual adds): more memory than full recomputation, little recompute time.",
+        False,
+    )
+    offload: bool = doc(
+        "CUDA only: hold the recomputed layers' saved inputs in pinned host memory (copied back in backward).", False
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_n_layers > 0
+
+    def describe(self, num_layers: int | None = None) -> str:
+        """In words, e.g. "every 2nd layer (8 of 16), selective" or "off"."""
+        k = self.every_n_layers
+        if k == 0:
+            return "off"
+        which = "every layer" if k == 1 else f"every {_ordinal(k)} layer"
+        if num_layers and k > 1:
+            which += f" ({checkpointed_layers(k, num_layers)} of {num_layers})"
+        return which + (", selective" if self.selective else "") + (", offloaded" if self.offload else "")
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def checkpointed_layers(every_n_layers: int, num_layers: int) -> int:
+    """Layers recomputed when every `every_n_layers`-th is (0, k, 2k, ...)."""
+    return 0 if every_n_layers == 0 else -(-num_layers // every_n_layers)
+
+
+CHECKPOINTING_WORDS = {True: Checkpointing(1), False: Checkpointing(0), "selective": Checkpointing(1, selective=True)}
+
+
+def checkpointing_of(value: bool | str | Checkpointing) -> Checkpointing | None:
+    """`training.gradient_checkpointing` as a `Checkpointing`; None for `auto` (the planner chooses)."""
+    if isinstance(value, Checkpointing):
+        return value
+    return None if value == "auto" else CHECKPOINTING_WORDS[value]
+
+
+@dataclass(frozen=True)
 class TrainingConfig:
     precision: Precision = doc(
         "bf16 / fp16: mixed precision (fp32 master weights, autocast; fp16 adds dynamic loss scaling);"
@@ -98,10 +146,11 @@ class TrainingConfig:
         " else fp32; the setup log says which and why.",
         "auto",
     )
-    gradient_checkpointing: bool = doc(
-        "Recompute activations in backward: a fraction of the activation memory for ~15-30% more compute"
-        " (less with bf16, whose faster matmuls pay for the recompute).",
-        True,
+    gradient_checkpointing: bool | Literal["auto", "selective"] | Checkpointing = doc(
+        "Recompute activations in backward, saving memory for time. auto: the planner picks the fastest setting"
+        " that fits the memory budget (with the micro-batch); true / false: every layer / none; selective: every"
+        " layer, keeping matmul outputs; or a mapping {every_n_layers: k, selective: ..., offload: ...}.",
+        "auto",
     )
     micro_batch_size: int | Literal["auto"] = doc(
         "Examples per forward pass per process; `auto` lets the memory planner choose.", "auto"
@@ -492,6 +541,8 @@ def _describe(tp: Any) -> str:
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     if origin is list:
         return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping of " + ", ".join(f.name for f in dataclasses.fields(tp))
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}.get(
         tp, getattr(tp, "__name__", str(tp))
     )
@@ -520,6 +571,12 @@ def _check_values(r: Recipe) -> list[tuple[str, str]]:
         "must be two numbers in [0, 1)",
     )
     need(t.max_grad_norm >= 0, "training.max_grad_norm", "must be >= 0")
+    if isinstance(t.gradient_checkpointing, Checkpointing):
+        need(
+            t.gradient_checkpointing.every_n_layers >= 0,
+            "training.gradient_checkpointing",
+            "every_n_layers must be >= 0",
+        )
     need(t.max_nonfinite_steps >= 1, "training.max_nonfinite_steps", "must be >= 1")
     if isinstance(t.micro_batch_size, int):
         need(t.micro_batch_size > 0, "training.micro_batch_size", "must be positive or auto")

@@ -17,7 +17,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
@@ -30,7 +30,14 @@ from llmtune import checkpoint, parallel, preference
 from llmtune.data import PreparedData, batch_for_step, collate, eval_batches, prepare_data, squared_lengths
 from llmtune.loss import CausalLMWithLoss, resolve_loss_impl
 from llmtune.memory.measure import PeakMemoryTracker
-from llmtune.memory.plan import BatchPlan, estimate_settings, expandable_segments, plan_for_budget, resolve_budget
+from llmtune.memory.plan import (
+    BatchPlan,
+    estimate_settings,
+    expandable_segments,
+    plan_for_budget,
+    plan_rates,
+    resolve_budget,
+)
 from llmtune.metrics import MetricsLogger, ModelFlops, check_trackers, model_flops, peak_flops
 from llmtune.model import (
     SetupError,
@@ -42,7 +49,7 @@ from llmtune.model import (
     load_tokenizer,
 )
 from llmtune.optim import make_optimizer
-from llmtune.recipe import Recipe, dump_recipe
+from llmtune.recipe import Recipe, checkpointing_of, dump_recipe
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +83,9 @@ class Run:
     flops: ModelFlops
     peak_flops: float  # the MFU denominator
     peak_flops_source: str  # datasheet or measured (metrics.peak_flops)
+    num_layers: int = 0
     start_step: int = 0
+    speed: dict[str, Any] | None = None  # the time model's prediction against the run's first timed steps
     counters: dict[str, int] = field(default_factory=lambda: {"trained_tokens": 0, "skipped_steps": 0})
 
 
@@ -92,18 +101,21 @@ def make_plan(
     engine: parallel.Engine,
     trained_fraction: float = 1.0,
 ) -> BatchPlan:
-    """The recipe's micro-batch, or (`auto`) the largest the memory estimate fits into the budget."""
+    """The micro-batch and the checkpointing: the recipe's where it fixes them, else the fastest the memory estimate
+    and the time model find within the budget (`llmtune.memory.plan`)."""
     t, n = recipe.training, acc.num_processes
     per_process, rest = divmod(t.global_batch_size, n)
     if rest:
         raise PlanError(f"training.global_batch_size={t.global_batch_size} is not divisible by the {n} processes")
+    fixed = checkpointing_of(t.gradient_checkpointing)
     if t.micro_batch_size != "auto":
         if per_process % t.micro_batch_size:
             raise PlanError(
                 f"training.global_batch_size={t.global_batch_size} = {n} processes x {per_process} per"
                 f" process, which training.micro_batch_size={t.micro_batch_size} does not divide"
             )
-        return BatchPlan(t.micro_batch_size, per_process // t.micro_batch_size, n, "recipe")
+        if fixed is not None:
+            return BatchPlan(t.micro_batch_size, per_process // t.micro_batch_size, n, "recipe", checkpointing=fixed)
     budget = resolve_budget(recipe.memory.budget, acc.device)
     # Free memory can differ between devices; every process must train the same micro-batch.
     budget = int(acc.gather(torch.tensor([budget], device=acc.device)).min())
@@ -116,7 +128,8 @@ def make_plan(
         precision=precision,
         trained_fraction=trained_fraction,
     )
-    return plan_for_budget(recipe, config, settings, budget_bytes=budget, num_processes=n)
+    rates = plan_rates(device, precision, config, recipe.data.max_length)
+    return plan_for_budget(recipe, config, settings, budget_bytes=budget, num_processes=n, rates=rates)
 
 
 def shrink_plan(plan: BatchPlan, per_process: int, at_most: int | None = None) -> BatchPlan:
@@ -182,9 +195,12 @@ def build(recipe: Recipe) -> Run:
     tokenizer = load_tokenizer(recipe.model)
     data = prepare_data(recipe.data, tokenizer, seed=recipe.seed, main_process_first=accelerator.main_process_first)
     config = load_config(recipe.model)
-    model = load_model(recipe, precision, config, accelerator.device)
     loss_impl = resolve_loss_impl(recipe.training.loss, config)
-    plan = make_plan(recipe, config, precision, loss_impl, accelerator, engine, data.stats.max_trained_fraction)
+    if resume_from is not None:  # the plan the run started with: same micro-batch, same checkpointing
+        plan = BatchPlan.from_state(checkpoint.saved_state(resume_from)["plan"])
+    else:
+        plan = make_plan(recipe, config, precision, loss_impl, accelerator, engine, data.stats.max_trained_fraction)
+    model = load_model(recipe, precision, config, accelerator.device, checkpointing=plan.checkpointing)
     trainable, total = count_parameters(model)
     flops = model_flops(model)
     wrapped = training_module(recipe, model, loss_impl)
@@ -227,6 +243,7 @@ def build(recipe: Recipe) -> Run:
         flops=flops,
         peak_flops=peak,
         peak_flops_source=peak_source,
+        num_layers=int(config.get_text_config().num_hidden_layers),
     )
     if resume_from is not None:
         resume(run, resume_from)
@@ -320,7 +337,6 @@ def resume(run: Run, path: Path) -> None:
     )
     run.start_step = state["step"]
     run.counters.update(state["counters"])
-    run.plan = BatchPlan.from_state(state["plan"])
     log.info("resumed from %s at step %d", path, run.start_step)
 
 
@@ -331,7 +347,7 @@ def log_setup(run: Run, trainable: int, total: int) -> None:
         f"launch         {run.engine} ({run.accelerator.distributed_type.value}) x {run.accelerator.num_processes}"
         f" on {run.accelerator.device}",
         f"precision      {run.precision} ({run.precision_why})",
-        f"checkpointing  {'on' if r.training.gradient_checkpointing else 'off'}",
+        f"checkpointing  {p.checkpointing.describe(run.num_layers)} ({'planned' if p.frontier else 'the recipe'})",
         f"batch          global {r.training.global_batch_size} = micro {p.micro_batch_size} x accumulation "
         f"{p.grad_accum_steps} x processes {p.num_processes} (micro-batch from {p.source})",
         f"memory         {p.describe()}",
@@ -385,6 +401,7 @@ def fit(run: Run) -> dict[str, Any]:
     eval_loss = None
     steady_peak = steady_reserved = 0  # the first optimizer step is lower: AdamW states appear during it
     step = run.start_step
+    timed: list[float] = []  # seconds of steps 3 and 4 (the first two are warm-up and memory measurement)
     started = time.perf_counter()
     # from_pretrained returns the model in eval mode, and transformers checkpoints activations (and applies
     # dropout) only in training mode: without this the steps before the first evaluation ran with neither.
@@ -403,7 +420,8 @@ def fit(run: Run) -> dict[str, Any]:
             t0 = time.perf_counter()
             # On CUDA the allocator counts for free; on a CPU counting live tensors slows a step down
             # (~1.5x on tiny models), so only the first steps and the logged ones are measured there.
-            measured = acc.device.type == "cuda" or step < 3 or (step + 1) % r.logging.every_n_steps == 0
+            # Steps 3 and 4 are never counted: they time the step for the time model (`check_speed`).
+            measured = acc.device.type == "cuda" or step < 2 or (step > 3 and (step + 1) % r.logging.every_n_steps == 0)
             tracker = PeakMemoryTracker(acc.device, baseline=[model, run.optimizer])
             with tracker if measured else contextlib.nullcontext():
                 result = train_step(run, examples)
@@ -439,6 +457,10 @@ def fit(run: Run) -> dict[str, Any]:
                     run.plan = shrink_plan(run.plan, len(examples))
                     log.warning("measured peak above the budget: micro-batch now %d", run.plan.micro_batch_size)
             seconds = time.perf_counter() - t0
+            if step in (3, 4):
+                timed.append(seconds)
+                if step == 4 or step == r.training.max_steps:
+                    run.speed = check_speed(run, sum(timed) / len(timed))
             metrics.log_step(
                 step,
                 loss=loss,
@@ -476,6 +498,33 @@ def fit(run: Run) -> dict[str, Any]:
     summary = run_summary(run, metrics, peaks, time.perf_counter() - started, step, eval_loss, final)
     metrics.close(summary)
     return summary
+
+
+def check_speed(run: Run, seconds: float) -> dict[str, Any] | None:
+    """The time model's predicted tokens/s against the run's own (steps 3 and 4), logged when 15% or more below."""
+    predicted = run.plan.predicted_tokens_per_s
+    if predicted is None:
+        return None
+    tokens = run.recipe.training.global_batch_size // run.plan.num_processes * run.recipe.data.max_length
+    measured = tokens / seconds
+    speed = {
+        "predicted_tokens_per_s": round(predicted, 1),
+        "measured_tokens_per_s": round(measured, 1),
+        "measured_over_predicted": round(measured / predicted, 3),
+        "rates": run.plan.rates_source,
+        "measured_on_steps": [3, 4],
+    }
+    if measured < 0.85 * predicted:
+        log.warning(
+            "the time model predicted %.0f tokens/s per process for this plan and the run makes %.0f (%.0f%% below):"
+            " the plan may not be the fastest here; `llmtune estimate --recipe` shows what it weighed",
+            predicted,
+            measured,
+            100 * (1 - measured / predicted),
+        )
+    else:
+        log.info("speed: %.0f tokens/s per process, the time model predicted %.0f", measured, predicted)
+    return speed
 
 
 def collate_for(run: Run, examples: list[dict]) -> dict[str, torch.Tensor]:
@@ -660,7 +709,9 @@ def run_summary(
     trained = run.counters["trained_tokens"]
     return {
         "precision": run.precision,
-        "gradient_checkpointing": run.recipe.training.gradient_checkpointing,
+        "gradient_checkpointing": run.plan.checkpointing.enabled,
+        "checkpointing": asdict(run.plan.checkpointing),
+        "time_model": run.speed,
         "micro_batch_size": run.plan.micro_batch_size,
         "grad_accum_steps": run.plan.grad_accum_steps,
         "num_processes": run.plan.num_processes,

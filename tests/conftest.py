@@ -137,6 +137,7 @@ def tiny_recipe(tmp_path, tiny_model_dir, tiny_data):
             "data": {"train": [{"path": str(tiny_data)}], "max_length": 48},
             "training": {
                 "precision": "fp32",
+                "gradient_checkpointing": True,  # fixed, as most tests check other things; tests of `auto` set it
                 "micro_batch_size": 4,
                 "global_batch_size": 8,
                 "max_steps": 4,

@@ -18,7 +18,9 @@ from llmtune.loss import CausalLMWithLoss
 from llmtune.memory.estimate import LoraSpec, estimate
 from llmtune.memory.measure import PeakMemoryTracker
 from llmtune.memory.plan import MemoryPlanError, default_budget, plan_micro_batch
+from llmtune.model import apply_checkpointing
 from llmtune.optim import BF16AdamW
+from llmtune.recipe import Checkpointing
 from llmtune.units import format_bytes, parse_bytes
 
 TOL = 0.01
@@ -76,7 +78,7 @@ def measured_peak(
     batch: int,
     seq_len: int,
     precision: str,
-    checkpointing: bool,
+    checkpointing: bool | Checkpointing,
     attn: str = "sdpa",
     lora: LoraSpec | None = None,
     chunked: bool = False,
@@ -98,8 +100,9 @@ def measured_peak(
         model = get_peft_model(
             model, LoraConfig(r=lora.rank, target_modules=lora.target_modules, task_type="CAUSAL_LM")
         )
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not isinstance(checkpointing, Checkpointing):
+        checkpointing = Checkpointing(1 if checkpointing else 0)
+    apply_checkpointing(model, checkpointing)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = BF16AdamW(trainable, lr=1e-3) if optimizer == "adamw_bf16" else torch.optim.AdamW(trainable, lr=1e-3)

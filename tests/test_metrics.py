@@ -45,8 +45,9 @@ def check_metrics_jsonl(run) -> None:
         assert STEP_FIELDS <= r.keys(), STEP_FIELDS - r.keys()
         assert math.isfinite(r["loss"]) and r["lr"] > 0 and r["grad_norm"] > 0
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["skipped_steps"] == 0
-        # logging.every_n_steps=1: every step is logged, so on CPU every step is memory-tracked too.
-        assert r["peak_memory_bytes"] > 0
+        # logging.every_n_steps=1: every step is logged, so on CPU every step is memory-tracked too, except
+        # steps 3 and 4, which time the step for the time model (counting storages would slow them down).
+        assert (r["peak_memory_bytes"] is None) == (r["step"] in (3, 4) and not torch.cuda.is_available())
     ends = [r["time"] for r in steps]
     assert ends == sorted(ends) and ends[-1] - ends[0] >= sum(r["seconds"] for r in steps[1:])
     evals = [r for r in lines if "eval_loss" in r]
@@ -176,7 +177,7 @@ def test_plot_errors_are_clear(tmp_path, monkeypatch, capsys):
     assert "pip install matplotlib" in capsys.readouterr().err
 
 
-def test_plot_estimate_draws_the_breakdown_per_micro_batch(tiny_recipe, tmp_path):
+def test_plot_estimate_draws_memory_against_speed(tiny_recipe, tmp_path):
     from transformers import AutoConfig
 
     from llmtune.memory.plan import plan_micro_batch
@@ -185,9 +186,10 @@ def test_plot_estimate_draws_the_breakdown_per_micro_batch(tiny_recipe, tmp_path
 
     recipe = load_recipe(tiny_recipe())
     config = AutoConfig.from_pretrained(recipe.model.name_or_path)
-    settings = {"precision": "fp32", "gradient_checkpointing": False, "device": "cpu"}
+    settings = {"precision": "fp32", "gradient_checkpointing": "auto", "device": "cpu"}
     plan = plan_micro_batch(config, global_batch_size=8, budget_bytes=2**30, seq_len=48, **settings)
-    path = plot_estimate(recipe, config, settings, plan, 1, tmp_path / "estimate.png")
+    assert any(c["predicted_peak_bytes"] for c in plan.frontier)
+    path = plot_estimate(plan, "tiny", tmp_path / "estimate.png")
     assert path.read_bytes()[:8] == PNG
 
 

@@ -8,6 +8,7 @@ of these repositories are gated). GPUs: the memory of common cards, for `llmtune
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 
 CATALOGUE_DIR = Path(__file__).parent
@@ -83,3 +84,65 @@ def gpu_memory(name: str) -> int:
             f"--gpu {name}: unknown card ({hint}known: {', '.join(GPUS)}); or give its memory with --device-memory"
         )
     return GPUS[key]
+
+
+# Dense (no 2:4 sparsity) bf16/fp16 tensor-core peaks from NVIDIA's datasheets and architecture whitepapers,
+# in TFLOP/s, matched in order on the lower-cased `torch.cuda.get_device_name()`. GeForce/RTX cards: FP32
+# accumulate (what PyTorch uses), half the FP16-accumulate figure. Cards without a published figure
+# (e.g. AWS's A10G) are measured instead.
+DATASHEET_PEAKS: list[tuple[str, float]] = [
+    (r"h200 nvl", 835.5),
+    (r"h200", 989.5),  # SXM; same tensor cores as the H100 SXM
+    (r"h100 nvl", 835.5),
+    (r"h100 pcie", 756.5),
+    (r"h100", 989.5),  # SXM ("NVIDIA H100 80GB HBM3")
+    (r"h800", 989.5),
+    (r"a100", 312.0),  # SXM and PCIe, 40 and 80 GB
+    (r"a800", 312.0),
+    (r"l40s", 362.05),
+    (r"l40\b", 181.05),
+    (r"\bl4\b", 121.0),
+    (r"\ba10\b", 125.0),
+    (r"rtx 4090", 165.2),
+    (r"rtx 3090", 71.0),
+    (r"a6000", 154.8),
+    (r"v100.*sxm", 125.0),  # fp16 only (no bf16)
+    (r"v100", 112.0),
+    (r"\bt4\b", 65.0),  # fp16 only
+]
+
+
+def datasheet_peak_flops(device_name: str) -> float | None:
+    """Dense 16-bit tensor-core FLOP/s of a GPU known by name, or None."""
+    name = device_name.lower()
+    for pattern, tflops in DATASHEET_PEAKS:
+        if re.search(pattern, name):
+            return tflops * 1e12
+    return None
+
+
+# HBM bandwidth in TB/s, matched in order like DATASHEET_PEAKS (the time model's memory-bound ops).
+DATASHEET_BANDWIDTH: list[tuple[str, float]] = [
+    (r"h200", 4.8),
+    (r"h100 nvl", 3.9),
+    (r"h100 pcie", 2.0),
+    (r"h100", 3.35),
+    (r"h800", 3.35),
+    (r"a100.*40", 1.555),
+    (r"a100", 2.039),
+    (r"a800", 2.039),
+    (r"l40", 0.864),
+    (r"\bl4\b", 0.3),
+    (r"\ba10g?\b", 0.6),
+    (r"rtx 4090", 1.008),
+    (r"rtx 3090", 0.936),
+    (r"a6000", 0.768),
+    (r"v100", 0.9),
+    (r"\bt4\b", 0.32),
+]
+
+
+def datasheet_bandwidth(device_name: str) -> float | None:
+    """HBM bytes/s of a GPU known by name, or None."""
+    name = device_name.lower()
+    return next((tb * 1e12 for pattern, tb in DATASHEET_BANDWIDTH if re.search(pattern, name)), None)

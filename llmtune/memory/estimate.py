@@ -53,7 +53,9 @@ from llmtune.loss import CausalLMWithLoss, decoder_of, default_chunk_size
 from llmtune.memory.allocator import LARGE_BUFFER, reserved_peak
 from llmtune.memory.kernels import AdamW8bitModel, CudaKernels, parameter_count, quantize_base_4bit
 from llmtune.memory.measure import LiveStorageCounter
-from llmtune.model import enable_gradient_checkpointing, peft_quietly
+from llmtune.memory.speed import Work
+from llmtune.model import apply_checkpointing, peft_quietly
+from llmtune.recipe import Checkpointing, checkpointed_layers
 from llmtune.units import format_bytes
 
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
@@ -65,6 +67,7 @@ REFERENCES = ("none", "adapter_disabled", "copy", "precomputed")
 SHARDINGS = ("none", "fsdp", "zero2", "zero3")
 DEVICES = ("cuda", "cpu")
 PHASES = ("forward", "backward", "optimizer_step")
+TOKEN_TAGS = ("activations", "logits_and_loss", "backward_temporaries", "inputs")  # bytes that grow with the batch
 
 _CUDA_BLOCK = 512  # bytes; the CUDA caching allocator rounds every block up to this
 
@@ -98,9 +101,23 @@ class MemoryEstimate:
     reserved_bytes: int = 0  # CUDA: what the caching allocator reserves at the peak; CPU: peak_bytes
     totals: dict[str, int] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
+    work: Work = field(default_factory=Work)  # forward and backward, recomputation included (memory.speed)
+    optimizer_work: Work = field(default_factory=Work)  # the update (once per optimizer step)
+    segment_peaks: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)  # for `scaled_peak`
+
+    def scaled_peak(self, factor: float) -> int:
+        """The reserved peak with `factor` times the tokens per micro-step, without a trace: in every segment of the
+        step, what the tokens make (`TOKEN_TAGS`) scales and the model states do not. Exact where the
+        activations are linear in the micro-batch; the planner checks its choice with a real estimate."""
+        peak = max(
+            sum(v * (factor if tag in TOKEN_TAGS else 1) for tag, v in by_tag.items())
+            for by_tag in self.segment_peaks.values()
+        )
+        return int(peak) + self.reserved_bytes - self.peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("segment_peaks")
         d["peak"] = format_bytes(self.peak_bytes)
         d["reserved"] = format_bytes(self.reserved_bytes)
         return d
@@ -110,7 +127,13 @@ class MemoryEstimate:
 # the traced step
 
 
+def _checkpointing(value: bool | Checkpointing) -> Checkpointing:
+    return value if isinstance(value, Checkpointing) else Checkpointing(1 if value else 0)
+
+
 def _validate(s: _Settings) -> None:
+    if s.checkpointing.offload:
+        raise ValueError("activation offloading is not modelled by the estimate (checkpointing.offload)")
     for name, value, allowed in (
         ("objective", s.objective, OBJECTIVES),
         ("reference", s.reference, REFERENCES),
@@ -250,7 +273,7 @@ class _Settings:
     seq_len: int
     layout: str
     precision: str
-    gradient_checkpointing: bool
+    checkpointing: Checkpointing
     attn_implementation: str
     optimizer: str
     loss: str
@@ -288,6 +311,10 @@ class _TraceCounter(LiveStorageCounter):
         self.segment: tuple[str, ...] = ()
         self.segments: dict[str, _SegmentPeak] = {}
         self.events: list[tuple[int, int]] = []  # (storage, bytes) allocated, (storage, 0) freed, in order
+        # What the step computes, for the time model: the head and loss apart, since the chunked loss's loop is
+        # traced on two chunks and the rest is scaled from them (`_trained_rows`).
+        self.work = {"body": Work(), "head": Work(), "step": Work()}
+        self.untraced_factor = 1.0
 
     def register(self, t: torch.Tensor, tag: str | None = None) -> None:
         # Each storage's first registration is an allocation for the allocator model (allocator.py).
@@ -313,6 +340,7 @@ class _TraceCounter(LiveStorageCounter):
         `chunk_rows=None` traces every row (the preference objectives keep the selected rows' hidden states)."""
         rows = math.ceil(labels_mask.numel() * self.trained_fraction)
         traced = rows if self.chunk_rows is None else min(rows, 2 * self.chunk_rows)
+        self.untraced_factor = rows / max(1, traced)
         out = torch.empty((traced, labels_mask.dim()), dtype=torch.long)
         self.register(out)
         if traced < rows:
@@ -346,10 +374,20 @@ class _TraceCounter(LiveStorageCounter):
         if func is torch.ops.aten._to_copy.default and self.tag_of(args[0]) == "weights":
             saved, self.tag = self.tag, "autocast_weight_copies"
             try:
-                return super().__torch_dispatch__(func, types, args, kwargs)
+                out = super().__torch_dispatch__(func, types, args, kwargs)
             finally:
                 self.tag = saved
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        else:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        bucket = (
+            "step" if self.phase == "optimizer_step" else "head" if {"head", "loss_bwd"} & set(self.segment) else "body"
+        )
+        self.work[bucket].add(func, args, kwargs or {}, out)
+        return out
+
+    def total_work(self) -> Work:
+        """Forward and backward: the chunked loss's two traced chunks stand for all of them."""
+        return self.work["body"] + self.work["head"] * self.untraced_factor
 
 
 def _batch(s: _Settings) -> dict[str, torch.Tensor]:
@@ -420,6 +458,8 @@ def _with_layers(config: Any, n: int) -> Any:
 class _Trace:
     segments: dict[str, _SegmentPeak]
     totals: dict[str, int]
+    work: Work
+    optimizer_work: Work
     reserved_overhead: int = 0  # what the CUDA caching allocator reserves beyond the peak of live blocks
 
 
@@ -430,10 +470,8 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
     fa2 = s.attn_implementation == "flash_attention_2"
     with FakeTensorMode(), _no_packed_mask() if fa2 else nullcontext():
         model = _build_model(config, s)
-        if s.gradient_checkpointing:
-            # A checkpointed block recomputes its forward in backward: with CUDA's kernels too.
-            cuda = s.device == "cuda"
-            enable_gradient_checkpointing(model, context_fn=(lambda: (nullcontext(), CudaKernels())) if cuda else None)
+        # A checkpointed block recomputes its forward in backward: with CUDA's kernels too.
+        apply_checkpointing(model, s.checkpointing, recompute=CudaKernels if s.device == "cuda" else None)
         model.train()
         # The module the training loop runs (and refuses what it refuses, with the same message).
         step_module = _step_module(config, model, s)
@@ -544,7 +582,7 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
     if s.device == "cuda":
         reserved, allocated = reserved_peak(counter.events, expandable_segments=s.expandable_segments)
         overhead = reserved - allocated
-    return _Trace(counter.segments, totals, overhead)
+    return _Trace(counter.segments, totals, counter.total_work(), counter.work["step"], overhead)
 
 
 def _extrapolate(a: _Trace, la: int, b: _Trace, lb: int, layers: int) -> _Trace:
@@ -564,19 +602,119 @@ def _extrapolate(a: _Trace, la: int, b: _Trace, lb: int, layers: int) -> _Trace:
         by_tag = {t: line(sa.by_tag.get(t, 0), sb.by_tag.get(t, 0)) for t in tags}
         segments[name] = _SegmentPeak(line(sa.bytes, sb.bytes), by_tag, sa.phase)
     totals = {k: line(a.totals[k], b.totals[k]) for k in a.totals}
+    x = (layers - la) / (lb - la)
+    work, update = a.work + (b.work - a.work) * x, a.optimizer_work + (b.optimizer_work - a.optimizer_work) * x
     # Rounding to allocator pages and fragmentation are not a per-layer cost: the larger of the two, plus
     # one large-pool page for the rounding of the extrapolated peak.
     overhead = max(a.reserved_overhead, b.reserved_overhead) + LARGE_BUFFER
-    return _Trace(segments, totals, overhead)
+    return _Trace(segments, totals, work, update, overhead)
 
 
-def estimate(
+def _combine(plus: list[_Trace], minus: list[_Trace]) -> _Trace:
+    """Segment by segment, tag by tag: the sum of `plus` less the sum of `minus` (segments all of them have)."""
+    signs = [(t, 1) for t in plus] + [(t, -1) for t in minus]
+    names = set.intersection(*(set(t.segments) for t, _ in signs))
+    segments = {}
+    for name in names:
+        parts = [(t.segments[name], sign) for t, sign in signs]
+        tags = set().union(*(p.by_tag for p, _ in parts))
+        by_tag = {tag: sum(sign * p.by_tag.get(tag, 0) for p, sign in parts) for tag in tags}
+        segments[name] = _SegmentPeak(sum(sign * p.bytes for p, sign in parts), by_tag, parts[0][0].phase)
+    work, update = Work(), Work()
+    for t, sign in signs:
+        work, update = work + t.work * sign, update + t.optimizer_work * sign
+    totals = {k: sum(sign * t.totals[k] for t, sign in signs) for k in plus[0].totals}
+    return _Trace(segments, totals, work, update, max(t.reserved_overhead for t in plus))
+
+
+# Traces by (config, layers, settings, period): the planner asks for the same traces again and again (every
+# k-th layer checkpointed is composed from the traces of none and of every layer).
+_TRACES: dict[tuple, _Trace] = {}
+
+
+def _cached_trace(config: Any, layers: int, s: _Settings, period: int) -> _Trace:
+    key = (config.to_json_string(use_diff=False), layers, s, period)
+    if key not in _TRACES:
+        if len(_TRACES) >= 64:
+            _TRACES.clear()
+        _TRACES[key] = _trace_step(_with_layers(config, layers), s, period)
+    return _TRACES[key]
+
+
+def _traces_needed(config: Any, s: _Settings, max_traced_layers: int) -> tuple[str, list[tuple[int, _Settings]]]:
+    """How the step of `config` is traced: whole when short; else at 1 and 2 layer-kind periods, extrapolated
+    linearly in the layer count; every k-th layer of a deep model recomputed, from the traces of none and of
+    every layer (`_assemble`). Returns the kind and the (layers, settings) traces it takes."""
+    layers, period = int(config.num_hidden_layers), _layer_period(config)
+    if layers <= max_traced_layers * period or layers % period:
+        return "whole", [(layers, s)]
+    short = (period, 2 * period)
+    if 0 < checkpointed_layers(s.checkpointing.every_n_layers, layers) < layers:
+        every = replace(s, checkpointing=replace(s.checkpointing, every_n_layers=1))
+        none = replace(s, checkpointing=Checkpointing(0))
+        return "partial", [(n, every) for n in short] + [(n, none) for n in short]
+    return "extrapolated", [(n, s) for n in short]
+
+
+def _assemble(kind: str, traces: list[_Trace], config: Any, s: _Settings) -> _Trace:
+    layers, p = int(config.num_hidden_layers), _layer_period(config)
+    if kind == "whole":
+        return traces[0]
+    if kind == "extrapolated":
+        return _extrapolate(traces[0], p, traces[1], 2 * p, layers)
+    # Every k-th layer recomputed: per layer, the memory and the work of a recomputed layer and of a kept one are
+    # affine in the number of each, so the step is every layer recomputed at `recomputed` layers, plus none at
+    # `layers`, less none at `recomputed`. The recomputation of the last recomputed layer is thereby counted as if
+    # every layer's activations were kept meanwhile, which over-states the peak by a part of one layer's
+    # activations (2.1-2.4% on a 6-layer model; tests/test_memory.py bounds it).
+    fa, fb, na, nb = traces
+    recomputed = checkpointed_layers(s.checkpointing.every_n_layers, layers)
+    return _combine(
+        [_extrapolate(fa, p, fb, 2 * p, recomputed), _extrapolate(na, p, nb, 2 * p, layers)],
+        [_extrapolate(na, p, nb, 2 * p, recomputed)],
+    )
+
+
+def _trace_job(config: Any, layers: int, s: _Settings, period: int) -> _Trace:
+    torch.set_num_threads(1)  # in a forked worker: fake tensors compute nothing, and OpenMP's pool is the parent's
+    return _trace_step(_with_layers(config, layers), s, period)
+
+
+def _prefetch(config: Any, jobs: list[tuple[int, _Settings]]) -> None:
+    """Trace what `jobs` need and the cache lacks, in parallel over the CPU cores when there are several: traces
+    are independent and each is seconds of Python on a deep model (fork: the workers inherit the imports)."""
+    import multiprocessing as mp
+    import os
+
+    period = _layer_period(config)
+    text = config.to_json_string(use_diff=False)
+    missing = list(dict.fromkeys((n, s) for n, s in jobs if (text, n, s, period) not in _TRACES))
+    workers = min(len(missing), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    if workers < 2 or mp.current_process().daemon or "fork" not in mp.get_all_start_methods():
+        return
+    if len(_TRACES) + len(missing) > 64:
+        _TRACES.clear()
+    with mp.get_context("fork").Pool(workers) as pool:
+        done = pool.starmap(_trace_job, [(config, n, s, period) for n, s in missing])
+    _TRACES.update({(text, n, s, period): t for (n, s), t in zip(missing, done, strict=True)})
+
+
+def estimate(config: Any, *, max_traced_layers: int = 4, **settings: Any) -> MemoryEstimate:
+    """Peak bytes of a steady-state training micro-step of `config` on one process, with `settings` as
+    `settings_of` takes them (micro_batch_size, seq_len, precision, gradient_checkpointing, ...).
+
+    Models with more than `max_traced_layers` layers (in units of the layer-kind period) are
+    traced at 1 and 2 periods and extrapolated linearly in the layer count."""
+    return estimate_all(config, [settings], max_traced_layers)[0]
+
+
+def settings_of(
     config: Any,
     *,
     micro_batch_size: int,
     seq_len: int,
     precision: str,
-    gradient_checkpointing: bool,
+    gradient_checkpointing: bool | Checkpointing,
     layout: str = "packed",
     attn_implementation: str = "sdpa",
     optimizer: str = "adamw",
@@ -592,17 +730,14 @@ def estimate(
     expandable_segments: bool = True,
     objective: str = "sft",
     reference: str = "none",
-    max_traced_layers: int = 4,
-) -> MemoryEstimate:
-    """Peak bytes of a steady-state training micro-step of `config` on one process.
-
-    The step: forward on `micro_batch_size` x `seq_len` tokens laid out as `layout` (packed or padded
-    rows, only the loss kept), backward, optimizer step, `zero_grad(set_to_none=True)`. With `grad_accum_steps > 1`
-    the previous micro-steps' gradients are alive during forward and backward.
+) -> _Settings:
+    """The settings of an estimate, checked. The step: forward on `micro_batch_size` x `seq_len` tokens laid out
+    as `layout` (packed or padded rows, only the loss kept), backward, optimizer step,
+    `zero_grad(set_to_none=True)`. With `grad_accum_steps > 1` the previous micro-steps' gradients are alive
+    during forward and backward.
     `num_processes`/`sharding` divide the sharded states; `"none"` with several processes is
     DDP with its gradient buckets unless `ddp_bucket_view` (gradient_as_bucket_view=True).
-    Models with more than `max_traced_layers` layers (in units of the layer-kind period) are
-    traced at 1 and 2 periods and extrapolated linearly in the layer count.
+    `gradient_checkpointing`: a `Checkpointing` (every k-th layer, selective), or a bool for every layer / none.
     `objective` other than "sft" traces `llmtune.preference.PreferenceModel` on pairs (`micro_batch_size`
     examples, each a pair), with its `reference` forward (adapter_disabled, a frozen copy) or none.
     """
@@ -615,7 +750,7 @@ def estimate(
         seq_len=seq_len,
         layout=layout,
         precision=precision,
-        gradient_checkpointing=gradient_checkpointing,
+        checkpointing=_checkpointing(gradient_checkpointing),
         attn_implementation=attn_implementation,
         optimizer=optimizer,
         loss=loss,
@@ -632,17 +767,26 @@ def estimate(
         reference=reference,
     )
     _validate(s)
-    layers = int(config.num_hidden_layers)
+    return s
+
+
+def estimate_all(config: Any, settings: list[dict[str, Any]], max_traced_layers: int = 4) -> list[MemoryEstimate]:
+    """`estimate` of each of `settings` (keyword arguments of `settings_of`), their traces run in parallel."""
+    plans = []
+    for kwargs in settings:
+        s = settings_of(config, **kwargs)
+        plans.append((s, *_traces_needed(config, s, max_traced_layers)))
+    _prefetch(config, [job for _, _, jobs in plans for job in jobs])
     period = _layer_period(config)
-    if layers <= max_traced_layers * period or layers % period:
-        trace = _trace_step(config, s, period)
-        traced = [layers]
-    else:
-        la, lb = period, 2 * period
-        a = _trace_step(_with_layers(config, la), s, period)
-        b = _trace_step(_with_layers(config, lb), s, period)
-        trace = _extrapolate(a, la, b, lb, layers)
-        traced = [la, lb]
+    return [
+        _result(_assemble(kind, [_cached_trace(config, n, x, period) for n, x in jobs], config, s), s, config, jobs)
+        for s, kind, jobs in plans
+    ]
+
+
+def _result(trace: _Trace, s: _Settings, config: Any, jobs: list[tuple[int, _Settings]]) -> MemoryEstimate:
+    layers = int(config.num_hidden_layers)
+    traced = sorted({n for n, _ in jobs})
 
     name, top = max(trace.segments.items(), key=lambda kv: kv[1].bytes)
     breakdown = dict(sorted(top.by_tag.items(), key=lambda kv: -kv[1]))
@@ -650,6 +794,7 @@ def estimate(
     if drift and breakdown:
         breakdown[next(iter(breakdown))] += drift
     settings = asdict(s)
+    settings["layers"] = layers
     settings["traced_layers"] = traced
     settings["peak_segment"] = name
     return MemoryEstimate(
@@ -659,7 +804,10 @@ def estimate(
         reserved_bytes=top.bytes + trace.reserved_overhead,
         totals=trace.totals,
         settings=settings,
+        work=trace.work,
+        optimizer_work=trace.optimizer_work,
+        segment_peaks={name: seg.by_tag for name, seg in trace.segments.items()},
     )
 
 
-__all__ = ["LoraSpec", "MemoryEstimate", "estimate"]
+__all__ = ["LoraSpec", "MemoryEstimate", "estimate", "estimate_all", "settings_of"]

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
 
-from llmtune.memory.estimate import MemoryEstimate, estimate
-from llmtune.recipe import Recipe
+from llmtune.memory.estimate import MemoryEstimate, estimate_all
+from llmtune.memory.speed import Rates, Work
+from llmtune.recipe import Checkpointing, Recipe, checkpointed_layers, checkpointing_of
 from llmtune.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,10 @@ class BatchPlan:
     source: str = "planner"
     predicted_peak_bytes: int | None = None
     budget_bytes: int | None = None
+    checkpointing: Checkpointing = Checkpointing(0)
+    predicted_tokens_per_s: float | None = None  # the time model's (memory.speed), for this process
+    rates_source: str | None = None
+    frontier: list[dict[str, Any]] = field(default_factory=list)  # what the planner weighed (Candidate.to_dict)
     estimate: MemoryEstimate | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -52,11 +57,12 @@ class BatchPlan:
 
     def state(self) -> dict[str, Any]:
         """The plan without its estimate: what a checkpoint keeps and `from_state` reads back."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "estimate"}
+        state = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "estimate"}
+        return state | {"checkpointing": asdict(self.checkpointing)}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> BatchPlan:
-        return cls(**state)
+        return cls(**state | {"checkpointing": Checkpointing(**state.get("checkpointing") or {"every_n_layers": 0})})
 
     def to_dict(self) -> dict[str, Any]:
         """The plan, readable sizes and (from the planner) the estimate: `llmtune estimate --json`, run_summary.json."""
@@ -86,6 +92,39 @@ def _candidates(global_batch_size: int, num_processes: int) -> list[int]:
     return [m for m in range(1, per_process + 1) if per_process % m == 0]
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration the planner weighed: its predicted peak (None: not estimated) and speed."""
+
+    micro_batch_size: int
+    checkpointing: Checkpointing
+    step_seconds: float  # predicted time of an optimizer step (all micro-steps and the update)
+    tokens_per_s: float  # predicted tokens per second of one process
+    peak_bytes: int | None = None
+    fits: bool | None = None
+
+    def to_dict(self, num_layers: int) -> dict[str, Any]:
+        return {
+            "micro_batch_size": self.micro_batch_size,
+            "checkpointing": self.checkpointing.describe(num_layers),
+            "every_n_layers": self.checkpointing.every_n_layers,
+            "selective": self.checkpointing.selective,
+            "predicted_tokens_per_s": round(self.tokens_per_s, 1),
+            "predicted_peak": format_bytes(self.peak_bytes) if self.peak_bytes is not None else None,
+            "predicted_peak_bytes": self.peak_bytes,
+            "fits": self.fits,
+        }
+
+
+def checkpointing_choices(num_layers: int) -> list[Checkpointing]:
+    """What `gradient_checkpointing: auto` weighs: none, every k-th layer for each distinct count of recomputed
+    layers (k = 2 .. L), every layer, and every layer selectively. Ordered from most memory to least, except
+    selective, whose memory lies between none and every layer but depends on the model."""
+    ks = {checkpointed_layers(k, num_layers): k for k in range(num_layers, 1, -1)}  # the smallest k per count
+    partial = [Checkpointing(k) for count, k in sorted(ks.items()) if count < num_layers]
+    return [Checkpointing(0), *partial, Checkpointing(1), Checkpointing(1, selective=True)]
+
+
 def plan_micro_batch(
     config: Any,
     *,
@@ -93,71 +132,174 @@ def plan_micro_batch(
     num_processes: int = 1,
     budget_bytes: int,
     seq_len: int,
+    micro_batch_size: int | None = None,
+    rates: Rates | None = None,
     **estimate_kwargs: Any,
 ) -> BatchPlan:
-    """Largest micro-batch whose estimated peak fits `budget_bytes` and divides the global batch.
+    """The fastest predicted micro-batch and checkpointing that fit `budget_bytes` and divide the global batch.
 
-    The peak grows with the micro-batch (it is affine in it at a fixed length), so a binary
-    search over the allowed micro-batches needs about log2(#divisors + 1) estimates.
+    `gradient_checkpointing` (in `estimate_kwargs`): a `Checkpointing` or bool fixes it; "auto" weighs
+    `checkpointing_choices`. `micro_batch_size` fixes the micro-batch. `rates` (memory.speed) turn the traced
+    work into seconds; without them every candidate is ranked by its work at nominal rates.
+
+    How: the time of every candidate comes from one estimate per uniform setting (none, every layer, selective)
+    at the smallest micro-batch -- work is affine in the micro-batch and in the number of recomputed layers
+    (memory.speed). Then, fastest first, each candidate's peak is estimated (traces are cached, so every-k
+    settings reuse the none / every-layer traces) until one fits; a candidate whose setting uses no less memory
+    than one that did not fit at no larger a micro-batch is skipped unestimated.
     """
-    candidates = _candidates(global_batch_size, num_processes)
-    # Each estimate traces a training step on fake tensors: a second or more on a large config.
+    layers = int(getattr(config, "get_text_config", lambda: config)().num_hidden_layers)
+    requested = estimate_kwargs.pop("gradient_checkpointing", "auto")
+    modes = checkpointing_choices(layers) if requested in ("auto", None) else [_as_checkpointing(requested)]
+    sizes = [micro_batch_size] if micro_batch_size else _candidates(global_batch_size, num_processes)
+    per_process = global_batch_size // num_processes
+    rates = rates or NOMINAL_RATES
     log.info(
-        "estimating peak memory: micro-batches %s x %d tokens against %s (a few estimates, ~1-4 s each)",
-        "/".join(map(str, candidates)),
+        "planning: %d checkpointing setting(s) x micro-batches %s x %d tokens against %s",
+        len(modes),
+        "/".join(map(str, sizes)),
         seq_len,
         format_bytes(budget_bytes),
     )
+    cache: dict[tuple[int, Checkpointing], MemoryEstimate] = {}
 
-    def predict(m: int) -> MemoryEstimate:
-        accum = global_batch_size // (m * num_processes)
-        return estimate(
-            config,
-            micro_batch_size=m,
-            seq_len=seq_len,
-            num_processes=num_processes,
-            grad_accum_steps=accum,
-            **estimate_kwargs,
+    def kwargs(m: int, mode: Checkpointing) -> dict[str, Any]:
+        accum = max(1, per_process // m)
+        return dict(micro_batch_size=m, seq_len=seq_len, num_processes=num_processes, grad_accum_steps=accum)
+
+    def predict_all(pairs: list[tuple[int, Checkpointing]]) -> list[MemoryEstimate]:
+        todo = [p for p in dict.fromkeys(pairs) if p not in cache]
+        settings = [kwargs(m, mode) | {"gradient_checkpointing": mode} | estimate_kwargs for m, mode in todo]
+        cache.update(zip(todo, estimate_all(config, settings), strict=True))
+        return [cache[p] for p in pairs]
+
+    def predict(m: int, mode: Checkpointing) -> MemoryEstimate:
+        return predict_all([(m, mode)])[0]
+
+    m0 = sizes[0]
+    uniform = dict(zip(_uniform_modes(modes), predict_all([(m0, u) for u in _uniform_modes(modes)]), strict=True))
+    candidates = sorted(
+        (_timed(uniform, mode, m, m0, layers, per_process, seq_len, rates) for mode in modes for m in sizes),
+        key=lambda c: c.step_seconds,
+    )
+    chosen: Candidate | None = None
+    too_big: list[Candidate] = []
+    weighed: list[Candidate] = []
+    for c in candidates:
+        if any(_no_smaller(c, t, modes) for t in too_big):
+            continue
+        # Scaled from the smallest micro-batch first (no trace); estimated only when that says it fits.
+        guess = predict(m0, c.checkpointing).scaled_peak(c.micro_batch_size / m0)
+        if guess <= budget_bytes:
+            guess = predict(c.micro_batch_size, c.checkpointing).reserved_bytes
+        c = replace(c, peak_bytes=guess, fits=guess <= budget_bytes)
+        weighed.append(c)
+        if c.fits:
+            chosen = c
+            break
+        too_big.append(c)
+    least = Checkpointing(1) if Checkpointing(1) in modes else modes[0]  # the least memory
+    if chosen is None and micro_batch_size:
+        # A fixed micro-batch is planned as given, fitting or not (BatchPlan.fits): with the least memory.
+        est = predict(m0, least)
+        chosen = replace(
+            _timed(uniform | {least: est}, least, m0, m0, layers, per_process, seq_len, rates),
+            peak_bytes=est.reserved_bytes,
+            fits=False,
         )
-
-    # Binary search over all candidates: ceil(log2(n + 1)) estimates (3 for 1/2/4/8/16/32).
-    lo, hi = 0, len(candidates) - 1
-    best: tuple[int, MemoryEstimate] | None = None
-    smallest: MemoryEstimate | None = None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        est = predict(candidates[mid])
-        if mid == 0:
-            smallest = est
-        if est.reserved_bytes <= budget_bytes:
-            best = (candidates[mid], est)
-            lo = mid + 1
-        else:
-            hi = mid - 1
-    if best is None:
-        assert smallest is not None  # the search ends below the smallest candidate only after trying it
+    if chosen is None:
+        smallest = predict(sizes[0], least)
         raise MemoryPlanError(
-            f"micro-batch 1 x {seq_len} tokens is predicted to peak at "
+            f"micro-batch {sizes[0]} x {seq_len} tokens is predicted to peak at "
             f"{format_bytes(smallest.reserved_bytes)} ({smallest.peak_phase}), over the budget of "
-            f"{format_bytes(budget_bytes)}. Try: {', '.join(_remedies(estimate_kwargs))}. Breakdown at the peak: "
-            + ", ".join(f"{k}={format_bytes(v)}" for k, v in smallest.breakdown.items())
+            f"{format_bytes(budget_bytes)}. Try: {', '.join(_remedies(estimate_kwargs, least))}. Breakdown at"
+            " the peak: " + ", ".join(f"{k}={format_bytes(v)}" for k, v in smallest.breakdown.items())
         )
-    m, est = best
+    est = predict(chosen.micro_batch_size, chosen.checkpointing)
     return BatchPlan(
-        micro_batch_size=m,
-        grad_accum_steps=global_batch_size // (m * num_processes),
+        micro_batch_size=chosen.micro_batch_size,
+        grad_accum_steps=per_process // chosen.micro_batch_size,
         num_processes=num_processes,
-        source="planner",
+        source="planner" if not micro_batch_size else "recipe",
         predicted_peak_bytes=est.reserved_bytes,
         budget_bytes=budget_bytes,
+        checkpointing=chosen.checkpointing,
+        predicted_tokens_per_s=chosen.tokens_per_s,
+        rates_source=rates.source,
+        frontier=[c.to_dict(layers) for c in _frontier(weighed, chosen, candidates)],
         estimate=est,
     )
 
 
-def _remedies(settings: dict[str, Any]) -> list[str]:
+NOMINAL_RATES = Rates(1e12, 1e12, 1e-5, "nominal rates (no device to measure): a ranking, not a forecast")
+
+
+def _as_checkpointing(value: bool | Checkpointing) -> Checkpointing:
+    return value if isinstance(value, Checkpointing) else Checkpointing(1 if value else 0)
+
+
+def _uniform_modes(modes: list[Checkpointing]) -> list[Checkpointing]:
+    """The settings whose estimates give every candidate's work: none and every layer span every k."""
+    needed = set()
+    for mode in modes:
+        if 1 < mode.every_n_layers:
+            needed |= {Checkpointing(0), replace(mode, every_n_layers=1)}
+        else:
+            needed.add(mode)
+    return sorted(needed, key=lambda m: (m.every_n_layers, m.selective))
+
+
+def _timed(
+    uniform: dict[Checkpointing, MemoryEstimate],
+    mode: Checkpointing,
+    m: int,
+    m0: int,
+    layers: int,
+    per_process: int,
+    seq_len: int,
+    rates: Rates,
+) -> Candidate:
+    """Predicted step time of `mode` at micro-batch `m` from the estimates at `m0`: forward and backward work
+    scales with the tokens, except the op count; the optimizer's is once per step. Every k-th layer recomputed:
+    none's work plus the recomputed layers' share of the difference to every layer."""
+    if 1 < mode.every_n_layers:
+        none, full = uniform[Checkpointing(0)], uniform[replace(mode, every_n_layers=1)]
+        share = checkpointed_layers(mode.every_n_layers, layers) / layers
+        work = none.work + (full.work - none.work) * share
+        update = none.optimizer_work
+    else:
+        work, update = uniform[mode].work, uniform[mode].optimizer_work
+    scaled = Work(work.flops * m / m0, work.bytes * m / m0, work.ops)
+    seconds = rates.seconds(scaled) * (per_process // m) + rates.seconds(update)
+    return Candidate(m, mode, seconds, per_process * seq_len / seconds)
+
+
+def _no_smaller(c: Candidate, too_big: Candidate, modes: list[Checkpointing]) -> bool:
+    """`c` cannot fit when a candidate that did not fit keeps no more memory: at no larger a micro-batch and a
+    setting no lower in `checkpointing_choices`' order (selective only compares with itself)."""
+    if c.micro_batch_size < too_big.micro_batch_size:
+        return False
+    if c.checkpointing.selective or too_big.checkpointing.selective:
+        return c.checkpointing == too_big.checkpointing
+    return modes.index(c.checkpointing) <= modes.index(too_big.checkpointing)
+
+
+def _frontier(weighed: list[Candidate], chosen: Candidate, candidates: list[Candidate]) -> list[Candidate]:
+    """What `llmtune estimate` shows: every estimated candidate, then the fastest of each setting not estimated
+    (unestimated: faster ones that cannot fit, or slower than the choice)."""
+    shown = {(c.micro_batch_size, c.checkpointing) for c in weighed}
+    rest, seen = [], set()
+    for c in candidates:
+        if c.checkpointing not in seen and (c.micro_batch_size, c.checkpointing) not in shown:
+            seen.add(c.checkpointing)
+            rest.append(c)
+    return sorted(weighed + rest, key=lambda c: c.step_seconds)
+
+
+def _remedies(settings: dict[str, Any], checkpointing: Checkpointing) -> list[str]:
     """What would lower the peak, leaving out what the run already does."""
     remedies = [
-        ("gradient checkpointing", not settings.get("gradient_checkpointing")),
+        ("gradient checkpointing", checkpointing != Checkpointing(1)),
         ("bf16 (or bf16-true)", not str(settings.get("precision", "")).startswith("bf16")),
         ("LoRA", settings.get("lora") is None),
         (
@@ -258,12 +400,26 @@ def planning_target(
     )
 
 
+def plan_rates(device: str, precision: str, config: Any, seq_len: int, gpu: str | None = None) -> Rates:
+    """The time model's rates for the device planned for: a GPU named with --gpu from its datasheet, this machine's
+    own device measured (memory.speed.measure_rates), else nominal rates that rank candidates but forecast nothing."""
+    from llmtune.memory.speed import datasheet_rates, measure_rates
+
+    if gpu:
+        return datasheet_rates(gpu, precision) or NOMINAL_RATES
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != here:
+        return NOMINAL_RATES
+    dtype = {"bf16": torch.bfloat16, "bf16-true": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    return measure_rates(device, dtype, config, seq_len)
+
+
 def recipe_for_model(
     name: str, config: Any, *, method: str, seq_len: int, device: str, global_batch_size: int = 32
 ) -> Recipe:
     """The recipe `llmtune estimate --model NAME` plans when no recipe is given: common fine-tuning defaults.
 
-    Checkpointing on, the micro-batch planned for a global batch of 32; LoRA / QLoRA as in
+    Checkpointing and the micro-batch planned (the fastest that fits) for a global batch of 32; LoRA / QLoRA as in
     recipes/llama3-8b-lora.yaml (rank 16 on every linear layer, base weights in bf16 on a GPU, since mixed
     precision would keep an fp32 copy of weights that never change); a full fine-tune in mixed precision;
     SDPA attention, or eager for a model without an SDPA path (Gemma-2), as transformers falls back.
@@ -337,7 +493,7 @@ def estimate_settings(
     return dict(
         precision=precision,
         layout="packed" if recipe.data.packing else "padded",
-        gradient_checkpointing=t.gradient_checkpointing,
+        gradient_checkpointing=checkpointing_of(t.gradient_checkpointing) or "auto",
         attn_implementation=recipe.model.attn_implementation,
         optimizer=optimizer,
         loss=loss,
@@ -367,28 +523,27 @@ def resolve_budget(text: str, device: str | torch.device) -> int:
     return default_budget(device) if text == "auto" else parse_bytes(text)
 
 
-def plan_for_budget(recipe: Recipe, config: Any, settings: dict[str, Any], *, budget_bytes: int, num_processes: int):
-    """The largest micro-batch for the recipe's global batch and max_length within `budget_bytes`; a fixed
-    `training.micro_batch_size` is estimated as given (whether it fits or not: `BatchPlan.fits`)."""
+def plan_for_budget(
+    recipe: Recipe,
+    config: Any,
+    settings: dict[str, Any],
+    *,
+    budget_bytes: int,
+    num_processes: int,
+    rates: Rates | None = None,
+) -> BatchPlan:
+    """The fastest micro-batch and checkpointing for the recipe's global batch and max_length within
+    `budget_bytes`, as far as the recipe leaves them open; a fixed `training.micro_batch_size` is planned as given
+    (whether it fits or not: `BatchPlan.fits`)."""
     t = recipe.training
-    if t.micro_batch_size != "auto":
-        m = t.micro_batch_size
-        accum = max(1, t.global_batch_size // (m * num_processes))
-        est = estimate(
-            config,
-            micro_batch_size=m,
-            seq_len=recipe.data.max_length,
-            num_processes=num_processes,
-            grad_accum_steps=accum,
-            **settings,
-        )
-        return BatchPlan(m, accum, num_processes, "recipe", est.reserved_bytes, budget_bytes, est)
     return plan_micro_batch(
         config,
-        global_batch_size=recipe.training.global_batch_size,
+        global_batch_size=t.global_batch_size,
         num_processes=num_processes,
         budget_bytes=budget_bytes,
         seq_len=recipe.data.max_length,
+        micro_batch_size=None if t.micro_batch_size == "auto" else t.micro_batch_size,
+        rates=rates,
         **settings,
     )
 
@@ -409,7 +564,7 @@ def format_plan(plan: BatchPlan, title: str) -> str:
         "",
         f"micro-batch {plan.micro_batch_size} x {s['seq_len']} tokens, gradient accumulation {plan.grad_accum_steps},"
         f" {s['num_processes']} process(es), sharding {s['sharding']}",
-        f"{s['precision']}, checkpointing {'on' if s['gradient_checkpointing'] else 'off'},"
+        f"{s['precision']}, checkpointing {plan.checkpointing.describe(e.settings['layers'])},"
         f" {s['attn_implementation']} attention, {s['optimizer']}, {s['loss']} loss"
         + (f", {s['objective']} on pairs (reference: {s['reference']})" if s.get("objective", "sft") != "sft" else "")
         + (f", {_METHOD_NAMES[s['lora']['method']]} r={s['lora']['rank']}" if s.get("lora") else ""),
@@ -423,4 +578,41 @@ def format_plan(plan: BatchPlan, title: str) -> str:
             else " (live tensors only: Python objects and the data pipeline are outside it)"
         ),
     ]
+    if len(plan.frontier) > 1:
+        lines += ["", *format_frontier(plan)]
     return "\n".join(lines)
+
+
+def format_frontier(plan: BatchPlan) -> list[str]:
+    """What the planner weighed, fastest first: memory saved against speed paid, the choice marked."""
+    rows = [("checkpointing", "micro", "peak", "tokens/s", "fits", "")]
+    for c in plan.frontier:
+        chosen = (
+            c["micro_batch_size"] == plan.micro_batch_size
+            and c["every_n_layers"] == (plan.checkpointing.every_n_layers)
+            and c["selective"] == plan.checkpointing.selective
+        )
+        fits = {True: "yes", False: "no", None: "-"}[c["fits"]]
+        rows.append(
+            (
+                c["checkpointing"],
+                str(c["micro_batch_size"]),
+                c["predicted_peak"] or "-",
+                f"{c['predicted_tokens_per_s']:,.0f}",
+                fits,
+                "<- chosen" if chosen else "",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = [
+        f"weighed (time model: {plan.rates_source}; '-': not estimated, ruled out by a setting that did not fit or"
+        " slower than the choice):"
+    ]
+    for r in rows:
+        lines.append(
+            "  "
+            + r[0].ljust(widths[0])
+            + "".join(f"  {r[i].rjust(widths[i])}" for i in range(1, 5))
+            + (f"  {r[5]}" if r[5] else "")
+        )
+    return lines

@@ -1,0 +1,141 @@
+"""Planner v2: the checkpointing settings it weighs, the time model's work, and the fastest plan that fits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from llmtune.cli import main
+from llmtune.memory.estimate import estimate
+from llmtune.memory.plan import checkpointing_choices, plan_micro_batch
+from llmtune.memory.speed import Rates, Work, datasheet_rates, measure_rates
+from llmtune.recipe import Checkpointing, RecipeError, load_recipe
+from test_memory import assert_close, measured_peak, tiny_config
+
+# Fixed rates: the choice then depends on the traced work only, the same on every machine.
+RATES = Rates(flops_per_s=1e11, bytes_per_s=2e10, seconds_per_op=2e-5, source="test")
+KW = dict(seq_len=64, precision="fp32", device="cpu", loss="chunked", chunk_size=64)  # as measured_peak runs it
+
+
+def test_the_choices_span_none_to_every_layer_and_selective():
+    names = [c.describe(6) for c in checkpointing_choices(6)]
+    assert names == [
+        "off",
+        "every 6th layer (1 of 6)",
+        "every 3rd layer (2 of 6)",
+        "every 2nd layer (3 of 6)",
+        "every layer",
+        "every layer, selective",
+    ]
+
+
+@pytest.mark.parametrize(
+    "spec", [Checkpointing(2), Checkpointing(3), Checkpointing(1, selective=True), Checkpointing(2, selective=True)]
+)
+def test_partial_and_selective_checkpointing_estimates_match_measured_peaks(spec):
+    cfg = tiny_config("llama", layers=4)
+    pred = estimate(cfg, micro_batch_size=2, gradient_checkpointing=spec, **KW).peak_bytes
+    meas = measured_peak(cfg, batch=2, seq_len=64, precision="fp32", checkpointing=spec, chunked=True)
+    assert_close(pred, meas)
+
+
+def test_a_deep_model_composes_every_kth_layer_from_none_and_every_layer_never_under():
+    """Traced at 1 and 2 layers (max_traced_layers=1), every 2nd / 3rd layer of 6 is composed from the traces
+    of none and of every layer: the same work as the whole trace, and a peak above it by about one layer's
+    activations (the recomputation counted beside every layer's), whatever the depth: never below."""
+    cfg = tiny_config("llama", layers=6)
+    peak = {on: estimate(cfg, micro_batch_size=2, gradient_checkpointing=on, **KW).peak_bytes for on in (False, True)}
+    one_layer = (peak[False] - peak[True]) / 6
+    for k in (2, 3):
+        kw = dict(micro_batch_size=2, gradient_checkpointing=Checkpointing(k), **KW)
+        whole, composed = estimate(cfg, max_traced_layers=8, **kw), estimate(cfg, max_traced_layers=1, **kw)
+        assert composed.work == pytest.approx(whole.work)
+        assert 0 <= composed.peak_bytes - whole.peak_bytes <= 1.5 * one_layer
+
+
+def test_the_traced_work_counts_recomputation():
+    cfg = tiny_config("llama", layers=4)
+    work = {
+        name: estimate(cfg, micro_batch_size=2, gradient_checkpointing=spec, **KW).work
+        for name, spec in (("off", False), ("every", True), ("selective", Checkpointing(1, selective=True)))
+    }
+    # Every layer recomputed runs its matmuls again; selective keeps their outputs and recomputes the rest.
+    assert work["every"].flops > 1.15 * work["off"].flops
+    assert work["selective"].flops == pytest.approx(work["off"].flops)
+    assert work["selective"].ops > work["off"].ops and work["selective"].bytes > work["off"].bytes
+
+
+def test_auto_takes_no_checkpointing_when_it_fits_and_the_fastest_that_fits_when_not():
+    cfg = tiny_config("llama", layers=4)
+    common = dict(global_batch_size=8, gradient_checkpointing="auto", rates=RATES, **KW)
+    loose = plan_micro_batch(cfg, budget_bytes=2**30, **common)
+    assert loose.checkpointing == Checkpointing(0) and loose.micro_batch_size == 8 and loose.fits
+    # Between the peak of every layer recomputed and that of none, at the largest micro-batch.
+    every = estimate(cfg, micro_batch_size=8, gradient_checkpointing=True, **KW).peak_bytes
+    none = estimate(cfg, micro_batch_size=8, gradient_checkpointing=False, **KW).peak_bytes
+    tight = plan_micro_batch(cfg, budget_bytes=(every + none) // 2, **common)
+    assert tight.fits and tight.predicted_peak_bytes <= (every + none) // 2
+    weighed = [c for c in tight.frontier if c["fits"] is not None]
+    chosen = [c for c in weighed if c["fits"]]
+    assert len(chosen) == 1 and chosen[0]["predicted_tokens_per_s"] == pytest.approx(tight.predicted_tokens_per_s, rel=1e-3)
+    # Everything predicted faster than the choice was estimated and found over the budget.
+    faster = [c for c in tight.frontier if c["predicted_tokens_per_s"] > chosen[0]["predicted_tokens_per_s"]]
+    assert faster and all(c["fits"] is False or c["fits"] is None for c in faster)
+    assert any(c["fits"] is False for c in faster)
+
+
+def test_a_fixed_setting_is_planned_as_given():
+    cfg = tiny_config("llama", layers=4)
+    plan = plan_micro_batch(
+        cfg, global_batch_size=8, budget_bytes=2**30, gradient_checkpointing=Checkpointing(2), rates=RATES, **KW
+    )
+    assert plan.checkpointing == Checkpointing(2) and plan.micro_batch_size == 8
+
+
+def test_rates():
+    cfg = tiny_config("llama", layers=2)
+    here = measure_rates("cpu", torch.float32, cfg, 256)
+    assert all(0 < x < float("inf") for x in (here.flops_per_s, here.bytes_per_s, here.seconds_per_op))
+    assert datasheet_rates("h100-80gb", "bf16").flops_per_s > datasheet_rates("a100-80gb", "bf16").flops_per_s
+    assert datasheet_rates("some-card", "bf16") is None
+    assert RATES.seconds(Work(1e11, 2e10, 1000)) == pytest.approx(1 + 1 + 0.02)
+
+
+def test_recipe_checkpointing_values(tiny_recipe):
+    for value, expected in (
+        ("auto", "auto"),
+        (True, True),
+        ("selective", "selective"),
+        ({"every_n_layers": 2}, Checkpointing(2)),
+        ({"every_n_layers": 3, "selective": True}, Checkpointing(3, selective=True)),
+    ):
+        assert load_recipe(tiny_recipe(training__gradient_checkpointing=value)).training.gradient_checkpointing == (
+            expected
+        )
+    with pytest.raises(RecipeError, match="training.gradient_checkpointing"):
+        load_recipe(tiny_recipe(training__gradient_checkpointing={"every_n_layer": 2}))
+    with pytest.raises(RecipeError, match="every_n_layers must be >= 0"):
+        load_recipe(tiny_recipe(training__gradient_checkpointing={"every_n_layers": -1}))
+
+
+def test_a_run_with_auto_records_the_plan_and_the_time_models_check(tiny_recipe, tmp_path):
+    recipe = tiny_recipe(
+        training__gradient_checkpointing="auto", training__micro_batch_size="auto", training__max_steps=5
+    )
+    assert main(["train", "--recipe", str(recipe)]) == 0
+    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
+    speed = summary["time_model"]
+    assert speed["predicted_tokens_per_s"] > 0 and speed["measured_tokens_per_s"] > 0
+    assert speed["measured_over_predicted"] == pytest.approx(
+        speed["measured_tokens_per_s"] / speed["predicted_tokens_per_s"], rel=1e-2
+    )
+    assert summary["checkpointing"]["every_n_layers"] == 0  # a CPU's RAM holds a tiny model without any
+    assert summary["memory_plan"]["frontier"]
+
+
+def test_estimate_prints_what_it_weighed(capsys, tiny_model_dir):
+    assert main(["estimate", "--model", str(tiny_model_dir), "--full", "--seq-len", "64", "--gpu", "l4"]) == 0
+    out = capsys.readouterr().out
+    assert "weighed (time model: l4 datasheet" in out and "<- chosen" in out
