@@ -276,6 +276,58 @@ def micro_batch_capacity(
     }
 
 
+def planner_choice(recipe: Any, budget: int, device_type: str) -> list[str]:
+    """What `gradient_checkpointing: auto` picks for this recipe within `budget`, in the tutorial's terms: the
+    memory it saves and the speed it pays against no checkpointing and against every layer recomputed, at the
+    same micro-batch (estimated peaks, the time model's tokens/s), then everything it weighed."""
+    from dataclasses import replace
+
+    from llmtune.loss import resolve_loss_impl
+    from llmtune.memory.estimate import estimate
+    from llmtune.memory.plan import MemoryPlanError, estimate_settings, format_frontier, plan_for_budget, plan_rates
+    from llmtune.model import load_config, resolve_precision
+    from llmtune.recipe import Checkpointing
+    from llmtune.units import format_bytes
+
+    auto = replace(recipe, training=replace(recipe.training, gradient_checkpointing="auto"))
+    config = load_config(recipe.model)
+    device = "cuda" if device_type == "cuda" else "cpu"
+    precision = resolve_precision(recipe.training.precision, device)
+    settings = estimate_settings(
+        auto, loss=resolve_loss_impl(recipe.training.loss, config), device=device, precision=precision
+    )
+    rates = plan_rates(device, precision, config, recipe.data.max_length)
+    try:
+        plan = plan_for_budget(auto, config, settings, budget_bytes=budget, num_processes=1, rates=rates)
+    except MemoryPlanError as err:
+        return [f"planner: {err}"]
+    layers, m = int(config.get_text_config().num_hidden_layers), plan.micro_batch_size
+    lines = [
+        f"planner (gradient_checkpointing: auto, {format_bytes(budget)} budget): checkpointing"
+        f" {plan.checkpointing.describe(layers)}, micro-batch {m}: peak {format_bytes(plan.predicted_peak_bytes)},"
+        f" {plan.predicted_tokens_per_s:,.0f} tokens/s predicted"
+    ]
+    speed = {(c["every_n_layers"], c["selective"], c["micro_batch_size"]): c for c in plan.frontier}
+    for other in (Checkpointing(0), Checkpointing(1)):
+        if other == plan.checkpointing:
+            continue
+        kw = {k: v for k, v in settings.items() if k != "gradient_checkpointing"}
+        peak = estimate(
+            config, micro_batch_size=m, seq_len=recipe.data.max_length, gradient_checkpointing=other,
+            grad_accum_steps=plan.grad_accum_steps, **kw,
+        ).reserved_bytes  # fmt: skip
+        tokens = speed[(other.every_n_layers, other.selective, m)]["predicted_tokens_per_s"]
+        saved = 1 - plan.predicted_peak_bytes / peak
+        paid = 1 - plan.predicted_tokens_per_s / tokens
+        lines.append(
+            f"  against checkpointing {other.describe(layers)} at micro-batch {m}: {format_bytes(peak)}, {tokens:,.0f}"
+            f" tokens/s -> the choice {'saves' if saved >= 0 else 'spends'} {abs(saved):.0%} of the memory and"
+            f" {'pays' if paid >= 0 else 'gains'} {abs(paid):.0%} of the speed"
+            + ("" if peak <= budget else " (over the budget)")
+        )
+    return lines + format_frontier(plan)
+
+
 # ---------------------------------------------------------------- the bench
 
 
@@ -353,8 +405,11 @@ def run_bench(
         # CPU seconds of this process (all threads): on a machine others share, wall time overstates the cost.
         row["setup"]["process_cpu_s"] = round(time.process_time() - cpu_started, 1)
 
+    choice = planner_choice(recipe, budget_bytes, device_type)
+    for row in rows:
+        row["setup"]["planner"] = choice
     (out_dir / "bench.json").write_text(json.dumps(rows, indent=2) + "\n")
-    (out_dir / "bench.md").write_text(format_table(rows) + "\n")
+    (out_dir / "bench.md").write_text(format_table(rows) + "\n\n" + "\n".join(choice) + "\n")
     try:
         from llmtune.plot import PlotDependencyError, plot_bench
 
@@ -459,6 +514,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         budget=args.budget,
     )
     print(format_table(rows))  # noqa: T201 (the command's output)
+    print("\n" + "\n".join(rows[0]["setup"]["planner"]))  # noqa: T201
     return 0
 
 

@@ -270,7 +270,7 @@ def _context_fn(selective: bool, recompute: Callable[[], Any] | None) -> Callabl
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
         forward, again = create_selective_checkpoint_contexts(_selective_policy) if selective else (None, None)
-        return forward or contextlib.nullcontext(), _Both(again, recompute() if recompute else None)
+        return forward or contextlib.nullcontext(), _Both(again, recompute()) if recompute else again
 
     return contexts
 

@@ -23,7 +23,7 @@ from llmtune.bench import (
 )
 from llmtune.memory.estimate import LoraSpec
 from llmtune.model import cpu_supports_bf16
-from llmtune.recipe import load_recipe
+from llmtune.recipe import Checkpointing, load_recipe
 
 ON_CPU = not torch.cuda.is_available()
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -130,7 +130,11 @@ def test_estimator_settings_follow_the_recipe(tiny_recipe):
     recipe = load_recipe(tiny_recipe(peft__method="lora", peft__rank=4, peft__target_modules=["q_proj", "v_proj"]))
     kwargs = estimate_kwargs(recipe, "bf16", True, "cpu")
     assert kwargs["lora"] == LoraSpec(rank=4, target_modules=("q_proj", "v_proj"), dropout=False, alpha=32)
-    assert (kwargs["precision"], kwargs["gradient_checkpointing"], kwargs["device"]) == ("bf16", True, "cpu")
+    assert (kwargs["precision"], kwargs["gradient_checkpointing"], kwargs["device"]) == (
+        "bf16",
+        Checkpointing(1),
+        "cpu",
+    )
     # what make_optimizer builds on a CPU too; loss auto -> chunked for Llama
     assert kwargs["optimizer"] == "adamw_fused" and kwargs["loss"] == "chunked"
 

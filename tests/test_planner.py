@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
+from test_memory import assert_close, measured_peak, tiny_config
 
 from llmtune.cli import main
 from llmtune.memory.estimate import estimate
 from llmtune.memory.plan import checkpointing_choices, plan_micro_batch
 from llmtune.memory.speed import Rates, Work, datasheet_rates, measure_rates
 from llmtune.recipe import Checkpointing, RecipeError, load_recipe
-from test_memory import assert_close, measured_peak, tiny_config
 
 # Fixed rates: the choice then depends on the traced work only, the same on every machine.
 RATES = Rates(flops_per_s=1e11, bytes_per_s=2e10, seconds_per_op=2e-5, source="test")
@@ -79,7 +79,9 @@ def test_auto_takes_no_checkpointing_when_it_fits_and_the_fastest_that_fits_when
     assert tight.fits and tight.predicted_peak_bytes <= (every + none) // 2
     weighed = [c for c in tight.frontier if c["fits"] is not None]
     chosen = [c for c in weighed if c["fits"]]
-    assert len(chosen) == 1 and chosen[0]["predicted_tokens_per_s"] == pytest.approx(tight.predicted_tokens_per_s, rel=1e-3)
+    assert len(chosen) == 1 and chosen[0]["predicted_tokens_per_s"] == pytest.approx(
+        tight.predicted_tokens_per_s, rel=1e-3
+    )
     # Everything predicted faster than the choice was estimated and found over the budget.
     faster = [c for c in tight.frontier if c["predicted_tokens_per_s"] > chosen[0]["predicted_tokens_per_s"]]
     assert faster and all(c["fits"] is False or c["fits"] is None for c in faster)

@@ -226,7 +226,7 @@ def plan_micro_batch(
         checkpointing=chosen.checkpointing,
         predicted_tokens_per_s=chosen.tokens_per_s,
         rates_source=rates.source,
-        frontier=[c.to_dict(layers) for c in _frontier(weighed, chosen, candidates)],
+        frontier=[c.to_dict(layers) for c in _with_estimates(candidates, weighed)],
         estimate=est,
     )
 
@@ -284,16 +284,10 @@ def _no_smaller(c: Candidate, too_big: Candidate, modes: list[Checkpointing]) ->
     return modes.index(c.checkpointing) <= modes.index(too_big.checkpointing)
 
 
-def _frontier(weighed: list[Candidate], chosen: Candidate, candidates: list[Candidate]) -> list[Candidate]:
-    """What `llmtune estimate` shows: every estimated candidate, then the fastest of each setting not estimated
-    (unestimated: faster ones that cannot fit, or slower than the choice)."""
-    shown = {(c.micro_batch_size, c.checkpointing) for c in weighed}
-    rest, seen = [], set()
-    for c in candidates:
-        if c.checkpointing not in seen and (c.micro_batch_size, c.checkpointing) not in shown:
-            seen.add(c.checkpointing)
-            rest.append(c)
-    return sorted(weighed + rest, key=lambda c: c.step_seconds)
+def _with_estimates(candidates: list[Candidate], weighed: list[Candidate]) -> list[Candidate]:
+    """Every candidate, fastest first, with its peak where one was estimated."""
+    known = {(c.micro_batch_size, c.checkpointing): c for c in weighed}
+    return [known.get((c.micro_batch_size, c.checkpointing), c) for c in candidates]
 
 
 def _remedies(settings: dict[str, Any], checkpointing: Checkpointing) -> list[str]:
@@ -584,9 +578,14 @@ def format_plan(plan: BatchPlan, title: str) -> str:
 
 
 def format_frontier(plan: BatchPlan) -> list[str]:
-    """What the planner weighed, fastest first: memory saved against speed paid, the choice marked."""
+    """What the planner weighed, fastest first: memory saved against speed paid, the choice marked. Of the
+    candidates not estimated, the fastest of each setting."""
     rows = [("checkpointing", "micro", "peak", "tokens/s", "fits", "")]
+    seen = set()
     for c in plan.frontier:
+        if c["fits"] is None and c["checkpointing"] in seen:
+            continue
+        seen.add(c["checkpointing"])
         chosen = (
             c["micro_batch_size"] == plan.micro_batch_size
             and c["every_n_layers"] == (plan.checkpointing.every_n_layers)

@@ -97,7 +97,7 @@ def measure_rates(device: str | torch.device, dtype: torch.dtype, config: Any, t
     text = config.get_text_config()
     hidden = int(text.hidden_size)
     wide = int(getattr(text, "intermediate_size", None) or 4 * hidden)
-    rows = max(64, min(tokens, 4096))
+    rows = max(1024, min(tokens, 4096))
     a = torch.randn(rows, hidden, device=device, dtype=dtype)
     w = torch.randn(hidden, wide, device=device, dtype=dtype)
     matmul = _best_of(lambda: a @ w, 5, sync)
