@@ -1,31 +1,42 @@
 """Partial and selective activation checkpointing compute what no checkpointing computes (issue 17, item 4).
 
-Each test runs one forward/backward of a tiny model (6 decoder layers, fp32, CPU, a packed batch) with
-`llmtune.model.apply_checkpointing` and without it, and compares the loss and the gradient of every trainable
-parameter to 1e-6. On CPU in fp32 a recomputation runs the same kernels on the same inputs, so the results are
-in fact bitwise equal; 1e-6 leaves room for nothing but reduction order. Equal gradients alone would also pass
-if checkpointing did nothing, so each test also checks what was recomputed: forward hooks on the children of
-every decoder layer count the layers run again in backward (layers 0, k, 2k, ...), and a dispatch mode counts
-the aten ops backward runs, so selective checkpointing must re-run the element-wise ops of full checkpointing
-and none of its matmuls.
+Model level: one forward/backward of a tiny model (6 decoder layers, fp32, CPU, a packed batch) with
+`llmtune.model.apply_checkpointing` and without it; the loss and the gradient of every trainable parameter must
+agree to 1e-6 -- for every k-th layer (k = 1, 2, 3) and selective, on Llama and Qwen2, with dropout (GPT-2,
+Llama), under LoRA, and with compiled blocks. On CPU in fp32 a recomputation runs the same kernels on the same
+inputs, so the results are in fact bitwise equal. Equal gradients alone would also pass if checkpointing did
+nothing, so each test also checks what was recomputed: forward pre-hooks on the children of every decoder layer
+count the layers run again in backward (exactly layers 0, k, 2k, ...), and a dispatch mode counts the aten ops
+backward runs: selective checkpointing must re-run exactly the element-wise ops full checkpointing re-runs and
+none of the matmuls or attention. Inside compiled blocks, where neither can look, the bytes saved for backward
+show it.
+
+Launch level: 2 processes (DDP, FSDP2) with `{every_n_layers: 2}` or `selective` against 1 process without
+checkpointing, with the scale-out tests' recipe and launcher (tests/test_scale_out.py).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
+import os
 import subprocess
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import pytest
+import test_scale_out
 import torch
 from test_memory import real_batch, tiny_config
+from test_scale_out import STEPS, assert_same_losses, final_tensors, launch, write_recipe
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmtune.model import apply_checkpointing, apply_peft, compile_blocks, decoder_blocks
-from llmtune.recipe import Checkpointing, PeftConfig
+from llmtune.recipe import Checkpointing, PeftConfig, load_recipe
+from llmtune.train import train
 
 LAYERS = 6
 TOL = dict(atol=1e-6, rtol=1e-6)
@@ -76,6 +87,7 @@ class Step:
     grads: dict[str, torch.Tensor]
     recomputed: list[int]  # decoder layers whose forward ran again in backward
     backward_ops: collections.Counter
+    saved: int  # bytes autograd kept for backward (selective checkpointing's cache aside: it keeps its own)
 
     def matmuls(self) -> int:
         return sum(n for op, n in self.backward_ops.items() if is_matmul(op))
@@ -95,17 +107,27 @@ def tiny_model(arch: str, **config) -> torch.nn.Module:
 
 
 def step(model: torch.nn.Module, *, seed: int = 0, count: bool = True) -> Step:
-    """One forward/backward of a fixed packed batch; the RNG seeded just before (dropout)."""
+    """One forward/backward of a fixed packed batch; the RNG seeded just before (dropout). `count`: count the
+    layers and ops recomputed (not in compiled blocks: hooks would be traced into the graph, and a dispatch mode
+    cannot run the compiled backward's higher-order ops)."""
     calls: collections.Counter = collections.Counter()
     handles = []
-    if count:  # (hooks inside compiled blocks would be traced into the graph, not counted)
+    if count:
         for i, block in enumerate(decoder_blocks(model)):
             handles += [c.register_forward_pre_hook(lambda *_, i=i: calls.update([i])) for c in block.children()]
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    loss = model(**real_batch(2, 32, "packed")).loss
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**real_batch(2, 32, "packed")).loss
     forward = calls.copy()
-    with OpCounter() as ops:
+    ops = OpCounter()
+    with ops if count else contextlib.nullcontext():
         loss.backward()
     for h in handles:
         h.remove()
@@ -113,7 +135,14 @@ def step(model: torch.nn.Module, *, seed: int = 0, count: bool = True) -> Step:
     assert all(calls[i] == 2 * forward[i] for i in recomputed), (forward, calls)  # at most once again
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert all(p.grad is not None for p in trainable.values())
-    return Step(loss.detach(), {n: p.grad.detach().clone() for n, p in trainable.items()}, recomputed, ops.counts)
+    grads = {n: p.grad.detach().clone() for n, p in trainable.items()}
+    return Step(loss.detach(), grads, recomputed, ops.counts, sum(saved.values()))
+
+
+DROPOUT = {
+    "gpt2": lambda p: {"resid_pdrop": p, "embd_pdrop": p, "attn_pdrop": p},
+    "llama": lambda p: {"attention_dropout": p},
+}
 
 
 @functools.cache
@@ -124,17 +153,11 @@ def run(arch: str, spec: Checkpointing, dropout: float = 0.0, seed: int = 0) -> 
     return step(model, seed=seed)
 
 
-DROPOUT = {
-    "gpt2": lambda p: {"resid_pdrop": p, "embd_pdrop": p, "attn_pdrop": p},
-    "llama": lambda p: {"attention_dropout": p},
-}
-
-
-def assert_same(got: Step, want: Step) -> None:
-    torch.testing.assert_close(got.loss, want.loss, **TOL)
+def assert_same(got: Step, want: Step, tol: dict = TOL) -> None:
+    torch.testing.assert_close(got.loss, want.loss, **tol)
     assert got.grads.keys() == want.grads.keys()
     for name, grad in want.grads.items():
-        torch.testing.assert_close(got.grads[name], grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(got.grads[name], grad, **tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def checkpointed(spec: Checkpointing) -> list[int]:
@@ -155,6 +178,7 @@ def assert_equal_to_none(arch: str, spec: Checkpointing, dropout: float = 0.0) -
         assert got.matmuls() == none.matmuls() < full.matmuls()
     else:
         assert got.matmuls() > none.matmuls()
+        assert got.saved < none.saved
 
 
 @pytest.mark.parametrize("spec", PARTIAL + SELECTIVE, ids=spec_id)
@@ -170,3 +194,123 @@ def test_dropout_draws_the_same_masks_when_recomputed(arch, spec):
     must restore the RNG state of the forward, and leave it where the forward left it."""
     assert run(arch, NONE, 0.1).loss != run(arch, NONE, 0.1, seed=1).loss  # dropout is on: the seed matters
     assert_equal_to_none(arch, spec, 0.1)
+
+
+@pytest.mark.parametrize(
+    "spec", [Checkpointing(2), Checkpointing(1, selective=True), Checkpointing(3, selective=True)], ids=spec_id
+)
+def test_lora_adapters_get_the_gradients_of_none(spec):
+    """Under LoRA the embeddings are frozen: layer 0, checkpointed, gets inputs that need no grad unless apply_peft
+    makes them; its adapters would then get no gradient. Adapter dropout on, as recipes have it."""
+
+    def adapted(spec: Checkpointing) -> Step:
+        model = tiny_model("llama")
+        apply_checkpointing(model, spec)
+        model = apply_peft(model, PeftConfig(method="lora", rank=4, dropout=0.1), gradient_checkpointing=spec.enabled)
+        torch.manual_seed(1)
+        with torch.no_grad():  # lora_B starts at 0, which zeroes lora_A's gradient; give B values so both get one
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.02)
+        return step(model)
+
+    got, none = adapted(spec), adapted(NONE)
+    assert got.grads and all("lora_" in n for n in got.grads)  # the adapters, and only they, train
+    assert_same(got, none)
+    assert got.recomputed == checkpointed(spec)
+    layers = {int(n.split(".layers.")[1].split(".")[0]) for n, g in got.grads.items() if g.abs().sum() > 0}
+    assert layers == set(range(LAYERS))
+
+
+@functools.cache
+def compiled_run(spec: Checkpointing) -> Step:
+    model = tiny_model("llama")
+    apply_checkpointing(model, spec)
+    assert compile_blocks(model) == LAYERS  # load_model's order: checkpointing, then compile
+    return step(model, count=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [Checkpointing(2), Checkpointing(2, selective=True)], ids=spec_id)
+def test_compiled_blocks_with_partial_checkpointing_give_the_eager_losses_and_gradients(spec):
+    got, compiled_none = compiled_run(spec), compiled_run(NONE)
+    # Against eager without checkpointing: inductor's fused kernels (RMSNorm, softmax, rotary) reduce in their own
+    # order, so compiled and eager differ by rounding (6e-8 measured here); 1e-5 allows for other CPUs' vector widths.
+    assert_same(got, run("llama", NONE), dict(atol=1e-5, rtol=1e-5))
+    # Against compiled without checkpointing: the same kernels, so 1e-6 (bitwise equal here).
+    assert_same(got, compiled_none)
+    # Hooks and dispatch modes cannot see inside the compiled blocks; what backward keeps can. Checkpointing every
+    # 2nd layer keeps less than none, and selective keeps the matmul outputs that full recomputation drops.
+    assert got.saved < compiled_none.saved
+    if spec.selective:
+        assert compiled_run(Checkpointing(2)).saved < got.saved
+
+
+# ---------------------------------------------------------------- 2 processes (DDP, FSDP2) against 1 without
+
+
+model_dir = test_scale_out.model_dir  # the fixture: conftest's tiny Llama (2 layers) with saved weights
+
+# Counts, per process, the layers checkpointed and how often their forward ran (forward + recomputation).
+COUNTING_ENTRY = """
+import atexit, json, os, sys
+import transformers.modeling_utils
+from llmtune.cli import main
+
+counts = {"checkpointed": 0, "ran": 0}
+real = transformers.modeling_utils.checkpoint
+def checkpoint(function, *args, **kwargs):
+    counts["checkpointed"] += 1
+    def layer(*a, **k):
+        counts["ran"] += 1
+        return function(*a, **k)
+    return real(layer, *args, **kwargs)
+transformers.modeling_utils.checkpoint = checkpoint
+atexit.register(lambda: open(os.environ["COUNTS"] + os.environ["RANK"], "w").write(json.dumps(counts)))
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+@pytest.fixture(scope="module")
+def unchecked(tmp_path_factory, model_dir, tiny_data) -> Path:
+    """One process without checkpointing: the run each 2-process checkpointed run must reproduce."""
+    folder = tmp_path_factory.mktemp("one-unchecked")
+    recipe = write_recipe(folder, model_dir, tiny_data, "none")
+    summary = train(load_recipe(recipe, ["training.gradient_checkpointing=false"]))
+    assert not summary["gradient_checkpointing"]
+    return folder / "run"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "value,spec",
+    [("{every_n_layers: 2}", Checkpointing(2)), ("selective", Checkpointing(1, selective=True))],
+    ids=["every2", "selective"],
+)
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_two_processes_checkpointing_partially_or_selectively_equal_one_without(
+    engine, value, spec, unchecked, model_dir, tiny_data, tmp_path
+):
+    recipe = write_recipe(tmp_path, model_dir, tiny_data, "none", engine)
+    run = tmp_path / "run"
+    entry = tmp_path / "counting_entry.py"
+    entry.write_text(COUNTING_ENTRY)
+    cmd = launch(recipe, run, engine, f"training.gradient_checkpointing={value}", script=entry)
+    env = {**os.environ, "COUNTS": str(tmp_path / "counts-")}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((run / "run_summary.json").read_text())
+    assert (summary["engine"], summary["num_processes"], summary["grad_accum_steps"]) == (engine, 2, 2)
+    assert summary["checkpointing"] == asdict(spec)
+    # Each process runs STEPS x 2 micro-batches; each checkpoints layers 0, k, ... (of 2) and runs them again in
+    # backward: checkpointing happened under DDP and under FSDP2's hooks, and on the layers the recipe names.
+    layers = len(range(0, AutoConfig.from_pretrained(model_dir).num_hidden_layers, spec.every_n_layers))
+    for rank in (0, 1):
+        counts = json.loads((tmp_path / f"counts-{rank}").read_text())
+        assert counts == {"checkpointed": STEPS * 2 * layers, "ran": STEPS * 2 * layers * 2}, rank
+    assert_same_losses(run, unchecked)  # to 1e-4, as every 2-process test: gloo sums gradients in another order
+    got, want = final_tensors(run), final_tensors(unchecked)
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].sub(tensor).abs().max() < 1e-4, name
