@@ -4,7 +4,7 @@ VENV_OK := .venv/.installed
 # The CPU build of torch, so a machine without a GPU does not download a multi-GB CUDA build.
 CPU_TORCH := torch==2.13.0
 
-.PHONY: install train train-preference test test-fast lint format docs clean gpu-wheels gpu-check
+.PHONY: install train train-preference train-dpo test test-fast lint format docs clean gpu-wheels gpu-check
 
 install: $(VENV_OK)
 
@@ -33,6 +33,17 @@ train-preference: install
 	$(PY) scripts/finetune.py --recipe recipes/quickstart-preference.yaml $(ARGS)
 	$(PY) scripts/eval_accuracy.py --model runs/quickstart/final --data assets/quickstart/eval.jsonl
 	$(PY) scripts/eval_accuracy.py --model runs/quickstart-preference/final --data assets/quickstart/eval.jsonl
+
+# DPO on top of the quickstart (recipes/quickstart-dpo.yaml) on pairs from the SFT model's own answers, made here
+# because they depend on that model; the SFT model is trained first when missing; both are scored.
+train-dpo: install
+	test -f runs/quickstart/final/config.json || $(MAKE) train
+	rm -rf runs/quickstart-dpo runs/quickstart-dpo-pairs.jsonl
+	$(PY) scripts/make_quickstart_dpo_pairs.py --model runs/quickstart/final --out runs/quickstart-dpo-pairs.jsonl \
+	  --questions 3000 --temperature 1.0
+	$(PY) scripts/finetune.py --recipe recipes/quickstart-dpo.yaml $(ARGS)
+	$(PY) scripts/eval_accuracy.py --model runs/quickstart/final --data assets/quickstart/eval.jsonl
+	$(PY) scripts/eval_accuracy.py --model runs/quickstart-dpo/final --data assets/quickstart/eval.jsonl
 
 test: install
 	$(PY) -m pytest -q $(ARGS)

@@ -240,7 +240,9 @@ def pair_losses(
 
     dpo sigmoid (Rafailov et al. 2023, eq. 7): -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)));
     ipo (Azar et al. 2023, eq. 17, on per-token averaged log-ratios as TRL and the IPO authors do):
-    (delta - 1 / (2 beta))^2; simpo (Meng et al. 2024, eq. 6): -log sigmoid(beta * (avg_c - avg_r) - gamma);
+    (delta - 1 / (2 beta))^2; either plus `nll_weight` times the chosen completion's NLL per token (RPO, Pang
+    et al. 2024; averaged per pair, where TRL's rpo_alpha averages over the tokens of the whole batch: the two
+    agree pair by pair); simpo (Meng et al. 2024, eq. 6): -log sigmoid(beta * (avg_c - avg_r) - gamma);
     orpo (Hong et al. 2024, eq. 6-7): NLL of the chosen completion (per token) - beta * log sigmoid(log odds
     ratio of the per-token averaged probabilities). Rewards: beta * log-ratio (dpo), beta * average
     log-prob (simpo, orpo).
@@ -255,6 +257,8 @@ def pair_losses(
             loss = (delta - 1 / (2 * beta)) ** 2
         else:
             loss = -F.logsigmoid(beta * (ratios[:, 0] - ratios[:, 1]))
+        if cfg.nll_weight:
+            loss = loss - cfg.nll_weight * average[:, 0]
     elif objective == "simpo":
         rewards = beta * average.detach()
         loss = -F.logsigmoid(beta * (average[:, 0] - average[:, 1]) - cfg.gamma)

@@ -243,10 +243,22 @@ class PreferenceConfig:
         " precomputed.",
         "auto",
     )
+    nll_weight: float = doc(
+        "dpo only: alpha of RPO (Pang et al. 2024; TRL's rpo_alpha): alpha times the chosen answer's NLL per token"
+        " is added to each pair's loss, against DPO's habit of lowering the chosen answers too while it widens the"
+        " margin.",
+        0.0,
+    )
 
 
 # Keys of `preference:` and the objectives they belong to (a key set for another objective is refused).
-PREFERENCE_KEYS = {"beta": ("dpo", "orpo", "simpo"), "loss": ("dpo",), "gamma": ("simpo",), "reference": ("dpo",)}
+PREFERENCE_KEYS = {
+    "beta": ("dpo", "orpo", "simpo"),
+    "loss": ("dpo",),
+    "gamma": ("simpo",),
+    "reference": ("dpo",),
+    "nll_weight": ("dpo",),
+}
 
 
 @dataclass(frozen=True)
@@ -628,6 +640,8 @@ def _check_objective(r: Recipe) -> list[tuple[str, str]]:
                 )
     if p.beta <= 0:
         problems.append(("preference.beta", "`preference.beta` must be positive"))
+    if p.nll_weight < 0:
+        problems.append(("preference.nll_weight", "`preference.nll_weight` must be >= 0"))
     if p.reference == "adapter_disabled" and r.peft.method == "none":
         problems.append(
             (

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import write_tiny_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from llmtune.cli import main
 
@@ -109,3 +109,35 @@ def test_generate_and_chat_refuse_a_folder_that_is_not_a_run(tmp_path, capsys, a
     assert main([command, "--run", str(tmp_path), *args]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path) in err and "not a run's output_dir" in err and "Traceback" not in err
+
+
+def test_batch_answers_batched_equal_answer_row_by_row():
+    """The on-policy pair script answers thousands of questions with `batch_answers`; each answer must be the one
+    `answer` (and so eval_accuracy.py) gives that prompt alone: prompts of several lengths, per-row token budgets,
+    and rows that end at EOS before their budget while others in the batch go on."""
+    from llmtune.data import render_prompt
+    from llmtune.generate import Sampling, answer, batch_answers
+
+    root = Path(__file__).resolve().parents[1] / "assets" / "quickstart"
+    tokenizer = AutoTokenizer.from_pretrained(root / "model")  # the quickstart's, shipped with the repo
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # a random model rarely says EOS; a larger EOS row makes some rows stop early
+        model.lm_head.weight[tokenizer.eos_token_id] *= 20
+    rows = [json.loads(line) for line in (root / "train.jsonl").read_text().splitlines()[:24]]
+    prompts = [render_prompt(r["prompt"], tokenizer) for r in rows]
+    budgets = [2 + i % 5 for i in range(len(rows))]
+    got = batch_answers(model, tokenizer, prompts, budgets, batch_size=4)
+    assert got == [
+        answer(model, tokenizer, p, Sampling(max_new_tokens=b)) for p, b in zip(prompts, budgets, strict=True)
+    ]
+    assert len({len(p) for p in prompts}) > 1
+    early = [
+        tokenizer.eos_token_id in model.generate(torch.tensor([p]), max_new_tokens=b, do_sample=False)[0, len(p) :]
+        for p, b in zip(prompts, budgets, strict=True)
+    ]
+    assert 0 < sum(early) < len(rows), "some rows end at EOS, some at their budget"

@@ -89,11 +89,11 @@ def test_token_logps_and_gradients_equal_log_softmax():
 def paper_loss(objective: str, cfg: PreferenceConfig, pc, pr, rc, rr, nc, nr) -> torch.Tensor:
     """The papers' formulas, written plainly per pair (no code shared with llmtune.preference)."""
     b = cfg.beta
-    if objective == "dpo" and cfg.loss == "sigmoid":  # Rafailov et al. 2023, eq. 7
-        return -torch.log(torch.sigmoid(b * ((pc - rc) - (pr - rr))))
+    if objective == "dpo" and cfg.loss == "sigmoid":  # Rafailov et al. 2023, eq. 7; RPO adds alpha * NLL per token
+        return -torch.log(torch.sigmoid(b * ((pc - rc) - (pr - rr)))) + cfg.nll_weight * (-pc / nc)
     if objective == "dpo":  # Azar et al. 2023, eq. 17 (h = log-ratio difference, per token as TRL does)
         h = (pc - rc) / nc - (pr - rr) / nr
-        return (h - 1 / (2 * b)) ** 2
+        return (h - 1 / (2 * b)) ** 2 + cfg.nll_weight * (-pc / nc)
     if objective == "simpo":  # Meng et al. 2024, eq. 6
         return -torch.log(torch.sigmoid(b / nc * pc - b / nr * pr - cfg.gamma))
     # ORPO (Hong et al. 2024): L_SFT + lambda * L_OR, odds(y|x) = P / (1 - P), P = exp(mean token log-prob)
@@ -107,10 +107,12 @@ CASES = [
     ("dpo", PreferenceConfig(beta=0.3, loss="ipo")),
     ("simpo", PreferenceConfig(beta=2.0, gamma=0.5)),
     ("orpo", PreferenceConfig(beta=0.2)),
+    ("dpo", PreferenceConfig(beta=0.1, nll_weight=0.5)),
+    ("dpo", PreferenceConfig(beta=0.3, loss="ipo", nll_weight=2.0)),
 ]
 
 
-@pytest.mark.parametrize(("objective", "cfg"), CASES, ids=["dpo", "ipo", "simpo", "orpo"])
+@pytest.mark.parametrize(("objective", "cfg"), CASES, ids=["dpo", "ipo", "simpo", "orpo", "rpo", "ipo+nll"])
 def test_pair_losses_and_gradients_equal_the_papers_formulas(objective, cfg):
     torch.manual_seed(1)
     tokens = torch.randint(1, 9, (6, 2)).float()
@@ -160,33 +162,63 @@ def ours(model, objective, cfg, batch, reference="none") -> torch.Tensor:
     return module(**batch)[0] / P.pairs_in(batch)
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-def test_dpo_loss_and_gradients_equal_trls(tokenizer, pairs_file, loss_type):
+def trl_dpo(model, batch, beta: float, loss_types: list[str], loss_weights: list[float]):
+    """TRL's DPOTrainer loss on our batch (precomputed reference log-probs), and the metrics it logged."""
     from trl.trainer.dpo_trainer import DPOTrainer
-    from trl.trainer.utils import add_fused_lm_head
 
-    cfg = PreferenceConfig(beta=0.2, loss=loss_type)
-    batch = pair_batch(tokenizer, pairs_file)
-    model = tiny_model(tokenizer)
-    batch["ref_logps"] = -torch.rand(P.pairs_in(batch), 2) * 20  # as a precomputed reference would give
-    mine = ours(model, "dpo", cfg, batch, reference="precomputed")
-    mine_grads = grads(model, mine)
-
-    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
     metrics = collections.defaultdict(lambda: collections.defaultdict(list))
     accelerator = types.SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x, gather=lambda x: x)
     trainer = types.SimpleNamespace(
         model=model, accelerator=accelerator, aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True,
-        f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0], beta=cfg.beta,
+        f_divergence_type="reverse_kl", loss_types=loss_types, loss_weights=loss_weights, beta=beta,
         use_weighting=False, label_smoothing=0.0, _metrics=metrics, _total_train_tokens=0, _tp_size=1,
     )  # fmt: skip
     inputs = trl_layout(batch) | {
         "ref_chosen_logps": batch["ref_logps"][:, 0],
         "ref_rejected_logps": batch["ref_logps"][:, 1],
     }
-    theirs = DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
+    return DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False), metrics
+
+
+def dpo_batch_and_model(tokenizer, pairs_file):
+    from trl.trainer.utils import add_fused_lm_head
+
+    batch = pair_batch(tokenizer, pairs_file)
+    batch["ref_logps"] = -torch.rand(P.pairs_in(batch), 2) * 20  # as a precomputed reference would give
+    model = tiny_model(tokenizer)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))  # what TRL's loss reads
+    return batch, model
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_loss_and_gradients_equal_trls(tokenizer, pairs_file, loss_type):
+    cfg = PreferenceConfig(beta=0.2, loss=loss_type)
+    batch, model = dpo_batch_and_model(tokenizer, pairs_file)
+    mine = ours(model, "dpo", cfg, batch, reference="precomputed")
+    mine_grads = grads(model, mine)
+    theirs, metrics = trl_dpo(model, batch, cfg.beta, [loss_type], [1.0])
     assert_same(mine, theirs, mine_grads, grads(model, theirs))
     assert metrics["train"]["rewards/margins"], "TRL's metrics ran too (the whole loss path was exercised)"
+
+
+def test_dpo_with_nll_weight_equals_trls_rpo_pair_by_pair(tokenizer, pairs_file):
+    """RPO: TRL's rpo_alpha is loss_type [sigmoid, sft] weighted [1, alpha]. TRL averages the NLL over the chosen
+    tokens of its whole batch, llmtune per pair (then over pairs): the two agree on a batch of one pair, so TRL is
+    run pair by pair and its losses averaged."""
+    cfg = PreferenceConfig(beta=0.2, nll_weight=0.7)
+    batch, model = dpo_batch_and_model(tokenizer, pairs_file)
+    mine = ours(model, "dpo", cfg, batch, reference="precomputed")
+    mine_grads = grads(model, mine)
+    plain = ours(model, "dpo", PreferenceConfig(beta=0.2), batch, reference="precomputed")
+    assert float(mine.detach()) > float(plain.detach()) + 0.1, "the NLL term is there"
+    pairs = len(batch["pair_ids"])
+    each = []
+    for k in range(pairs):
+        one = {key: batch[key][2 * k : 2 * k + 2] for key in ("input_ids", "attention_mask", "labels")}
+        one["ref_logps"] = batch["ref_logps"][k : k + 1]
+        each.append(trl_dpo(model, one, cfg.beta, ["sigmoid", "sft"], [1.0, cfg.nll_weight])[0])
+    theirs = torch.stack(each).mean()
+    assert_same(mine, theirs, mine_grads, grads(model, theirs))
 
 
 def test_simpo_loss_and_gradients_equal_trls(tokenizer, pairs_file):
@@ -387,7 +419,12 @@ def test_a_key_of_another_objective_is_refused_naming_the_objective(tiny_recipe,
         load_recipe(tiny_recipe(training__objective="dpo"))
     with pytest.raises(RecipeError, match="adapter_disabled needs LoRA"):
         load_recipe(tiny_recipe(training__objective="dpo", data__train=pairs, preference__reference="adapter_disabled"))
+    with pytest.raises(RecipeError, match="`preference.nll_weight` applies to training.objective dpo, not orpo"):
+        load_recipe(tiny_recipe(training__objective="orpo", data__train=pairs, preference__nll_weight=1.0))
+    with pytest.raises(RecipeError, match="`preference.nll_weight` must be >= 0"):
+        load_recipe(tiny_recipe(training__objective="dpo", data__train=pairs, preference__nll_weight=-1.0))
     assert load_recipe(tiny_recipe(training__objective="simpo", data__train=pairs, preference__gamma=1.0))
+    assert load_recipe(tiny_recipe(training__objective="dpo", data__train=pairs, preference__nll_weight=1.0))
 
 
 # ---------------------------------------------------------------- the loop
@@ -537,3 +574,52 @@ def test_pairs_without_trained_tokens_add_nothing(tokenizer, pairs_file):
     padded = P.collate_pairs([*rows, filler], pad_token_id=tokenizer.pad_token_id, packed=True)
     assert P.pairs_in(padded) == P.pairs_in(plain)
     assert torch.allclose(module(**padded), module(**plain), atol=1e-5)
+
+
+# ---------------------------------------------------------------- the demo's on-policy pairs
+
+
+def test_on_policy_pairs_reject_the_models_own_wrong_answers(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    from make_quickstart_dpo_pairs import select_pairs
+
+    rows = [{"prompt": f"What is {i} + 1?\nAnswer:", "completion": f" {i + 1}"} for i in range(5)]
+    greedy = [" 9", " 2", "", " 4", " 5"]
+    sampled = [" 8", " 7", " 6", " 4 ", ""]
+    assert select_pairs(rows, greedy, sampled) == [
+        {"prompt": rows[0]["prompt"], "chosen": " 1", "rejected": " 9"},  # wrong greedily: that answer, not a sample
+        {"prompt": rows[1]["prompt"], "chosen": " 2", "rejected": " 7"},  # right greedily: its wrong sample
+    ]  # 2: no answer to reject; 3: sampled right too (spaces aside, as scored); 4: an empty sample
+    assert select_pairs(rows, greedy) == select_pairs(rows, greedy, sampled)[:1]
+
+
+def test_on_policy_pair_script_rejects_what_the_model_answers(tmp_path):
+    """End to end on a small random model with the quickstart tokenizer: every pair's rejected answer is the one
+    `answer` (as eval_accuracy.py) gets from the model, its chosen the training question's own answer."""
+    from transformers import AutoTokenizer
+
+    from llmtune.data import render_prompt
+    from llmtune.generate import Sampling, answer
+
+    root = Path(__file__).resolve().parents[1]
+    tokenizer = AutoTokenizer.from_pretrained(root / "assets" / "quickstart" / "model")
+    model = tiny_model(tokenizer)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(tmp_path / "sft")
+    tokenizer.save_pretrained(tmp_path / "sft")
+    out = tmp_path / "pairs.jsonl"
+    script = root / "scripts" / "make_quickstart_dpo_pairs.py"
+    cmd = [sys.executable, str(script), "--model", str(tmp_path / "sft"), "--out", str(out), "--questions", "12"]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=root)
+    pairs = [json.loads(line) for line in out.read_text().splitlines()]
+    questions = [json.loads(line) for line in (root / "assets/quickstart/train.jsonl").read_text().splitlines()[:12]]
+    model.eval()
+    said = {
+        q["prompt"]: answer(model, tokenizer, render_prompt(q["prompt"], tokenizer), Sampling(max_new_tokens=n + 2))
+        for q in questions
+        for n in [len(tokenizer(q["completion"], add_special_tokens=False).input_ids)]
+    }
+    gold = {q["prompt"]: q["completion"] for q in questions}
+    wrong = [p for p, a in said.items() if a.strip() and a.strip() != gold[p].strip()]
+    assert wrong, "a random model answers wrongly: the comparison below is not empty"
+    assert pairs == [{"prompt": p, "chosen": gold[p], "rejected": said[p]} for p in wrong]
