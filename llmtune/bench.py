@@ -296,7 +296,7 @@ def planner_choice(recipe: Any, budget: int, device_type: str) -> list[str]:
     settings = estimate_settings(
         auto, loss=resolve_loss_impl(recipe.training.loss, config), device=device, precision=precision
     )
-    rates = plan_rates(device, precision, config, recipe.data.max_length)
+    rates = plan_rates(device, precision, config)
     try:
         plan = plan_for_budget(auto, config, settings, budget_bytes=budget, num_processes=1, rates=rates)
     except MemoryPlanError as err:

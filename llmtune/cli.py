@@ -122,7 +122,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     settings = estimate_settings(
         recipe, loss=resolve_loss_impl(recipe.training.loss, config), device=target.device, sharding=args.sharding
     )
-    rates = plan_rates(target.device, settings["precision"], config, recipe.data.max_length, gpu=args.gpu)
+    rates = plan_rates(target.device, settings["precision"], config, gpu=args.gpu)
     plan = plan_for_budget(
         recipe, config, settings, budget_bytes=target.budget_bytes, num_processes=args.num_processes, rates=rates
     )

@@ -128,7 +128,7 @@ def make_plan(
         precision=precision,
         trained_fraction=trained_fraction,
     )
-    rates = plan_rates(device, precision, config, recipe.data.max_length)
+    rates = plan_rates(device, precision, config)
     return plan_for_budget(recipe, config, settings, budget_bytes=budget, num_processes=n, rates=rates)
 
 

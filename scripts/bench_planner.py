@@ -35,7 +35,7 @@ from llmtune.data import collate
 from llmtune.loss import CausalLMWithLoss
 from llmtune.memory.measure import PeakMemoryTracker
 from llmtune.memory.plan import checkpointing_choices, plan_micro_batch
-from llmtune.memory.speed import measure_rates
+from llmtune.memory.speed import Rates, measure_rates
 from llmtune.model import load_model
 from llmtune.optim import make_optimizer
 from llmtune.recipe import Checkpointing, DataConfig, ModelConfig, Recipe, TrainingConfig
@@ -145,9 +145,26 @@ def run_model(name: str, cfg: LlamaConfig, rounds: int) -> dict:
     layers = cfg.num_hidden_layers
     sizes = [m for m in range(1, GLOBAL_BATCH + 1) if GLOBAL_BATCH % m == 0]
     candidates = [(mode, m) for mode in checkpointing_choices(layers) for m in sizes]
-    rates = measure_rates("cpu", torch.float32, cfg, SEQ)
+    rates = measure_rates("cpu", torch.float32, cfg)
     print(f"{name}: {len(candidates)} candidates; rates {rates}", flush=True)
-    measured = measure_all(cfg, candidates, rounds)
+    return evaluate(name, cfg, rates, measure_all(cfg, candidates, rounds))
+
+
+def replanned(name: str, cfg: LlamaConfig, earlier: dict) -> dict:
+    """`evaluate` of an earlier run's measurements and rates (`--replan FILE`) with this code's planner."""
+    modes = {c.describe(cfg.num_hidden_layers): c for c in checkpointing_choices(cfg.num_hidden_layers)}
+    run = next(r for r in earlier["results"] if r["model"] == name)
+    measured = {
+        (modes[m["checkpointing"]], m["micro_batch_size"]): {k: m[k] for k in ("peak_bytes", "tokens_per_s")}
+        for m in run["measured"]
+    }
+    rates = Rates(**run["rates"])
+    return evaluate(name, cfg, rates, measured)
+
+
+def evaluate(name: str, cfg: LlamaConfig, rates: Rates, measured: dict) -> dict:
+    """The planner's picks and the time model's predictions against the measured candidates."""
+    layers = cfg.num_hidden_layers
     every, none = measured[(Checkpointing(1), GLOBAL_BATCH)], measured[(Checkpointing(0), GLOBAL_BATCH)]
     budgets = {
         "tight": int(every["peak_bytes"] * 1.02),
@@ -191,7 +208,7 @@ def run_model(name: str, cfg: LlamaConfig, rounds: int) -> dict:
     ]
     return {
         "model": name,
-        "rates": vars(rates) if hasattr(rates, "__dict__") else str(rates),
+        "rates": vars(rates),
         "cases": cases,
         "time_model": errors,
         "measured": [
@@ -243,17 +260,24 @@ def table(results: list[dict], summary: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", default=str(RESULTS / "planner_cpu.json"))
+    parser.add_argument("--replan", help="re-plan the measurements and rates of an earlier run's JSON (no training)")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     rounds = 2 if args.quick else args.rounds
     started = time.time()
-    results = [run_model(name, cfg, rounds) for name, cfg in models(args.quick).items()]
+    if args.replan:
+        earlier = json.loads(Path(args.replan).read_text())
+        results = [replanned(name, cfg, earlier) for name, cfg in models(args.quick).items()]
+    else:
+        results = [run_model(name, cfg, rounds) for name, cfg in models(args.quick).items()]
     summary = summarise(results)
     out = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": "python scripts/bench_planner.py" + (" --quick" if args.quick else ""),
+        "command": "python scripts/bench_planner.py"
+        + (" --quick" if args.quick else "")
+        + (f" --replan {args.replan} (measured {earlier['date']})" if args.replan else ""),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "torch": torch.__version__,
         "seconds": round(time.time() - started),

@@ -302,8 +302,9 @@ class _TraceCounter(LiveStorageCounter):
     of the step (embedding, each layer's forward and backward, head and loss, optimizer step),
     so that a trace of a few layers can be extrapolated to many."""
 
-    def __init__(self, trained_fraction: float, chunk_rows: int | None, **kwargs: Any) -> None:
+    def __init__(self, trained_fraction: float, chunk_rows: int | None, selective: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.selective = selective
         self.trained_fraction = trained_fraction
         self.chunk_rows = chunk_rows
         self._untraced_rows: dict[int, torch.Tensor] = {}
@@ -382,7 +383,10 @@ class _TraceCounter(LiveStorageCounter):
         bucket = (
             "step" if self.phase == "optimizer_step" else "head" if {"head", "loss_bwd"} & set(self.segment) else "body"
         )
-        self.work[bucket].add(func, args, kwargs or {}, out)
+        # Selective checkpointing runs every op of a layer, in forward and in recomputation, through torch's
+        # policy dispatch mode: a second Python dispatch each.
+        in_layer = self.selective and any(n.startswith(("fwd_", "bwd_")) for n in self.segment)
+        self.work[bucket].add(func, args, kwargs or {}, out, 2.0 if in_layer else 1.0)
         return out
 
     def total_work(self) -> Work:
@@ -500,7 +504,9 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
         }
 
         chunk_rows = s.chunk_size if s.objective == "sft" else None
-        counter = _TraceCounter(s.trained_fraction, chunk_rows, round_to=_CUDA_BLOCK if s.device == "cuda" else 1)
+        counter = _TraceCounter(
+            s.trained_fraction, chunk_rows, s.checkpointing.selective, round_to=_CUDA_BLOCK if s.device == "cuda" else 1
+        )
         for tag, factor in plan.scale.items():
             counter.set_scale(tag, factor)
         for p in model.parameters():
@@ -585,7 +591,7 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
     return _Trace(counter.segments, totals, counter.total_work(), counter.work["step"], overhead)
 
 
-def _extrapolate(a: _Trace, la: int, b: _Trace, lb: int, layers: int) -> _Trace:
+def _extrapolate(a: _Trace, la: int, b: _Trace, lb: int, layers: int, cuda: bool) -> _Trace:
     """Every segment's peak is affine in the layer count (each layer adds the same weights,
     states and kept activations), so two traces fix it. Middle layers are skipped: their
     peaks lie between the first and last layer's."""
@@ -605,8 +611,8 @@ def _extrapolate(a: _Trace, la: int, b: _Trace, lb: int, layers: int) -> _Trace:
     x = (layers - la) / (lb - la)
     work, update = a.work + (b.work - a.work) * x, a.optimizer_work + (b.optimizer_work - a.optimizer_work) * x
     # Rounding to allocator pages and fragmentation are not a per-layer cost: the larger of the two, plus
-    # one large-pool page for the rounding of the extrapolated peak.
-    overhead = max(a.reserved_overhead, b.reserved_overhead) + LARGE_BUFFER
+    # one large-pool page for the rounding of the extrapolated peak (CUDA's caching allocator; a CPU has none).
+    overhead = max(a.reserved_overhead, b.reserved_overhead) + (LARGE_BUFFER if cuda else 0)
     return _Trace(segments, totals, work, update, overhead)
 
 
@@ -657,11 +663,11 @@ def _traces_needed(config: Any, s: _Settings, max_traced_layers: int) -> tuple[s
 
 
 def _assemble(kind: str, traces: list[_Trace], config: Any, s: _Settings) -> _Trace:
-    layers, p = int(config.num_hidden_layers), _layer_period(config)
+    layers, p, cuda = int(config.num_hidden_layers), _layer_period(config), s.device == "cuda"
     if kind == "whole":
         return traces[0]
     if kind == "extrapolated":
-        return _extrapolate(traces[0], p, traces[1], 2 * p, layers)
+        return _extrapolate(traces[0], p, traces[1], 2 * p, layers, cuda)
     # Every k-th layer recomputed: per layer, the memory and the work of a recomputed layer and of a kept one are
     # affine in the number of each, so the step is every layer recomputed at `recomputed` layers, plus none at
     # `layers`, less none at `recomputed`. The recomputation of the last recomputed layer is thereby counted as if
@@ -670,8 +676,8 @@ def _assemble(kind: str, traces: list[_Trace], config: Any, s: _Settings) -> _Tr
     fa, fb, na, nb = traces
     recomputed = checkpointed_layers(s.checkpointing.every_n_layers, layers)
     return _combine(
-        [_extrapolate(fa, p, fb, 2 * p, recomputed), _extrapolate(na, p, nb, 2 * p, layers)],
-        [_extrapolate(na, p, nb, 2 * p, recomputed)],
+        [_extrapolate(fa, p, fb, 2 * p, recomputed, cuda), _extrapolate(na, p, nb, 2 * p, layers, cuda)],
+        [_extrapolate(na, p, nb, 2 * p, recomputed, cuda)],
     )
 
 

@@ -39,10 +39,11 @@ class Work:
     bytes: float = 0.0
     ops: float = 0.0
 
-    def add(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def add(self, func: Any, args: tuple, kwargs: dict, out: Any, dispatches: float = 1.0) -> None:
+        """Count one op; `dispatches` > 1 where it also passes through a Python dispatch mode."""
         from torch.utils.flop_counter import flop_registry
 
-        self.ops += 1
+        self.ops += dispatches
         count = flop_registry.get(func._overloadpacket)
         if count is not None:
             self.flops += count(*args, **kwargs, out_val=out)
@@ -85,10 +86,10 @@ def _best_of(fn: Any, repeats: int, sync: Any) -> float:
     return best
 
 
-def measure_rates(device: str | torch.device, dtype: torch.dtype, config: Any, tokens: int) -> Rates:
+def measure_rates(device: str | torch.device, dtype: torch.dtype, config: Any) -> Rates:
     """The three rates of `device` for `config`'s architecture, measured in about a second; no weights change.
 
-    matmul: (tokens x hidden) @ (hidden x intermediate) in `dtype`, the shape of the decoder's MLP;
+    matmul: (2048 x hidden) @ (hidden x intermediate) in `dtype`, the shape of the decoder's MLP;
     bandwidth: an in-place add over 32 MiB tensors; overhead: a training step (forward and backward) of the same
     architecture shrunk to one narrow layer and 16 tokens, whose time is all per-op overhead (the modules' Python
     and the dispatcher, the same per op at any width), divided by the ops it dispatches."""
@@ -97,18 +98,19 @@ def measure_rates(device: str | torch.device, dtype: torch.dtype, config: Any, t
     text = config.get_text_config()
     hidden = int(text.hidden_size)
     wide = int(getattr(text, "intermediate_size", None) or 4 * hidden)
-    rows = max(1024, min(tokens, 4096))
+    # Long enough to time reliably on a shared machine (tens of ms), best of many: the machine's quiet moments.
+    rows = 2048
     a = torch.randn(rows, hidden, device=device, dtype=dtype)
     w = torch.randn(hidden, wide, device=device, dtype=dtype)
-    matmul = _best_of(lambda: a @ w, 5, sync)
-    x = torch.zeros(8 * 1024**2, device=device)
+    matmul = _best_of(lambda: a @ w, 10, sync)
+    x = torch.zeros(8 * 1024**2, device=device)  # 32 MiB: past a CPU's last-level cache, as a step's activations
     y = torch.ones_like(x)
-    add = _best_of(lambda: x.add_(y), 5, sync)
+    add = _best_of(lambda: x.add_(y), 10, sync)
     step, ops = _narrow_step(config, device)
     return Rates(
         flops_per_s=2 * rows * hidden * wide / matmul,
         bytes_per_s=3 * x.numel() * x.element_size() / add,
-        seconds_per_op=_best_of(step, 3, sync) / ops,
+        seconds_per_op=_best_of(step, 5, sync) / ops,
         source=f"measured on this {device.type}",
     )
 
