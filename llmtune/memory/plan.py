@@ -580,28 +580,36 @@ def format_plan(plan: BatchPlan, title: str) -> str:
 
 
 def format_frontier(plan: BatchPlan) -> list[str]:
-    """What the planner weighed, fastest first: memory saved against speed paid, the choice marked. Of the
-    candidates not estimated, the fastest of each setting."""
-    rows = [("checkpointing", "micro", "peak", "tokens/s", "fits", "")]
-    seen = set()
-    for c in plan.frontier:
-        if c["fits"] is None and c["checkpointing"] in seen:
-            continue
-        seen.add(c["checkpointing"])
-        chosen = (
-            c["micro_batch_size"] == plan.micro_batch_size
-            and c["every_n_layers"] == (plan.checkpointing.every_n_layers)
-            and c["selective"] == plan.checkpointing.selective
+    """What the planner weighed, fastest first: memory saved against speed paid, the choice marked. One row per
+    setting -- its fastest candidate that fits, else its smallest micro-batch weighed (why it was ruled out),
+    else its fastest not weighed -- and the choice. Nominal rates (no device to measure) give speeds relative to
+    the fastest candidate only."""
+    nominal = plan.rates_source == NOMINAL_RATES.source
+    top = max((c["predicted_tokens_per_s"] for c in plan.frontier), default=1.0)
+
+    def is_chosen(c: dict[str, Any]) -> bool:
+        return (c["micro_batch_size"], c["every_n_layers"], c["selective"]) == (
+            plan.micro_batch_size,
+            plan.checkpointing.every_n_layers,
+            plan.checkpointing.selective,
         )
-        fits = {True: "yes", False: "no", None: "-"}[c["fits"]]
+
+    shown: dict[str, dict[str, Any]] = {}
+    for c in plan.frontier:  # fastest first
+        kept = shown.get(c["checkpointing"])
+        if kept is None or kept["fits"] is None or (c["fits"] is not None and not kept["fits"]) or is_chosen(c):
+            shown[c["checkpointing"]] = c
+    rows = [("checkpointing", "micro", "peak", "x fastest" if nominal else "tokens/s", "fits", "")]
+    for c in sorted(shown.values(), key=lambda c: -c["predicted_tokens_per_s"]):
+        speed = c["predicted_tokens_per_s"]
         rows.append(
             (
                 c["checkpointing"],
                 str(c["micro_batch_size"]),
                 c["predicted_peak"] or "-",
-                f"{c['predicted_tokens_per_s']:,.0f}",
-                fits,
-                "<- chosen" if chosen else "",
+                f"{speed / top:.2f}" if nominal else f"{speed:,.0f}",
+                {True: "yes", False: "no", None: "-"}[c["fits"]],
+                "<- chosen" if is_chosen(c) else "",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
