@@ -128,8 +128,11 @@ def make_plan(
         precision=precision,
         trained_fraction=trained_fraction,
     )
-    rates = plan_rates(device, precision, config)
-    return plan_for_budget(recipe, config, settings, budget_bytes=budget, num_processes=n, rates=rates)
+    # Planning runs real ops on random tensors (the rates) and must leave the run's random state as it found it:
+    # the model's initialisation and the data order come after it.
+    with torch.random.fork_rng(devices=[acc.device] if acc.device.type == "cuda" else []):
+        rates = plan_rates(device, precision, config)
+        return plan_for_budget(recipe, config, settings, budget_bytes=budget, num_processes=n, rates=rates)
 
 
 def shrink_plan(plan: BatchPlan, per_process: int, at_most: int | None = None) -> BatchPlan:

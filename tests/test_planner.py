@@ -141,3 +141,16 @@ def test_estimate_prints_what_it_weighed(capsys, tiny_model_dir):
     assert main(["estimate", "--model", str(tiny_model_dir), "--full", "--seq-len", "64", "--gpu", "l4"]) == 0
     out = capsys.readouterr().out
     assert "weighed (time model: l4 datasheet" in out and "<- chosen" in out
+
+
+def test_planning_leaves_the_runs_random_state_alone(tiny_recipe):
+    """The planner measures rates on random tensors before the model is initialised: the weights must not depend
+    on whether it ran (the quickstart's accuracy once moved with it)."""
+    from llmtune.train import build
+
+    def weights(checkpointing) -> list[torch.Tensor]:
+        run = build(load_recipe(tiny_recipe(training__gradient_checkpointing=checkpointing)))
+        return [p.detach().clone() for p in run.model.parameters()]
+
+    for planned, fixed in zip(weights("auto"), weights(False), strict=True):
+        assert torch.equal(planned, fixed)
