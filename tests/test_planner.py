@@ -130,8 +130,9 @@ def test_a_run_with_auto_records_the_plan_and_the_time_models_check(tiny_recipe,
     summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
     speed = summary["time_model"]
     assert speed["predicted_tokens_per_s"] > 0 and speed["measured_tokens_per_s"] > 0
+    # Rounded to 3 decimals in the summary (a loaded machine can measure far below the prediction).
     assert speed["measured_over_predicted"] == pytest.approx(
-        speed["measured_tokens_per_s"] / speed["predicted_tokens_per_s"], rel=1e-2
+        speed["measured_tokens_per_s"] / speed["predicted_tokens_per_s"], rel=1e-2, abs=1e-3
     )
     assert summary["checkpointing"]["every_n_layers"] == 0  # a CPU's RAM holds a tiny model without any
     assert summary["memory_plan"]["frontier"]
