@@ -55,7 +55,7 @@ from llmtune.memory.kernels import AdamW8bitModel, CudaKernels, parameter_count,
 from llmtune.memory.measure import LiveStorageCounter
 from llmtune.memory.speed import Work
 from llmtune.model import apply_checkpointing, peft_quietly
-from llmtune.recipe import Checkpointing, checkpointed_layers
+from llmtune.recipe import Checkpointing, checkpointed_layers, checkpointing_of
 from llmtune.units import format_bytes
 
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
@@ -125,10 +125,6 @@ class MemoryEstimate:
 
 # ---------------------------------------------------------------------------------------------
 # the traced step
-
-
-def _checkpointing(value: bool | Checkpointing) -> Checkpointing:
-    return value if isinstance(value, Checkpointing) else Checkpointing(1 if value else 0)
 
 
 def _validate(s: _Settings) -> None:
@@ -756,7 +752,7 @@ def settings_of(
         seq_len=seq_len,
         layout=layout,
         precision=precision,
-        checkpointing=_checkpointing(gradient_checkpointing),
+        checkpointing=checkpointing_of(gradient_checkpointing),
         attn_implementation=attn_implementation,
         optimizer=optimizer,
         loss=loss,

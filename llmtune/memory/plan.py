@@ -150,7 +150,8 @@ def plan_micro_batch(
     """
     layers = int(getattr(config, "get_text_config", lambda: config)().num_hidden_layers)
     requested = estimate_kwargs.pop("gradient_checkpointing", "auto")
-    modes = checkpointing_choices(layers) if requested in ("auto", None) else [_as_checkpointing(requested)]
+    fixed = None if requested is None else checkpointing_of(requested)
+    modes = checkpointing_choices(layers) if fixed is None else [fixed]
     sizes = [micro_batch_size] if micro_batch_size else _candidates(global_batch_size, num_processes)
     per_process = global_batch_size // num_processes
     rates = rates or NOMINAL_RATES
@@ -234,10 +235,6 @@ def plan_micro_batch(
 
 GUESS_MARGIN = 1.5  # a scaled peak above 1.5x the budget is not estimated exactly
 NOMINAL_RATES = Rates(1e12, 1e12, 1e-5, "nominal rates (no device to measure): a ranking, not a forecast")
-
-
-def _as_checkpointing(value: bool | Checkpointing) -> Checkpointing:
-    return value if isinstance(value, Checkpointing) else Checkpointing(1 if value else 0)
 
 
 def _uniform_modes(modes: list[Checkpointing]) -> list[Checkpointing]:
