@@ -221,6 +221,12 @@ def compile_blocks(model: torch.nn.Module) -> int:
     work, after a one-off compile (scripts/bench_compile.py; figures in benchmarks/results/measurements.md).
     """
     blocks = decoder_blocks(model, purpose="training.compile", remedy="set training.compile: false")
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # newer torch
+        # transformers >= 5.25 wraps attention in `kernels`' use_kernelized_func, which sets a module-level variable
+        # in forward and resets it before returning. Inside a checkpointed block Dynamo refuses that side effect
+        # (it would not be replayed on recomputation) and runs the whole block eagerly: compile did nothing. Set and
+        # reset within one forward, it has nothing to replay. Global, as Dynamo reads it when it traces, in the loop.
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for block in blocks:
         block.compile()
     log.info("compiled %d %s blocks (torch.compile, one shared graph)", len(blocks), type(blocks[0]).__name__)

@@ -31,6 +31,7 @@ import test_scale_out
 import torch
 from test_memory import real_batch, tiny_config
 from test_scale_out import STEPS, assert_same_losses, final_tensors, launch, write_recipe
+from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -227,7 +228,10 @@ def compiled_run(spec: Checkpointing) -> Step:
     model = tiny_model("llama")
     apply_checkpointing(model, spec)
     assert compile_blocks(model) == LAYERS  # load_model's order: checkpointing, then compile
-    return step(model, count=False)
+    counters.clear()
+    done = step(model, count=False)
+    assert not counters["graph_break"], dict(counters["graph_break"])  # a break runs the whole block eagerly
+    return done
 
 
 @pytest.mark.slow

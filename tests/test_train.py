@@ -106,7 +106,8 @@ def test_compile_runs_compiled_blocks_and_matches_eager(tiny_recipe, tmp_path):
         keys[compiled] = set(AutoModelForCausalLM.from_pretrained(out / "final").state_dict())
     # Dynamo really compiled: it steps aside on CPU steps whose memory is tracked (1-3 and logged ones), step 4 ran
     # compiled ...
-    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+    assert not counters["graph_break"], dict(counters["graph_break"])  # a break in a block runs it all eagerly
+    assert counters["stats"]["unique_graphs"] >= 1
     # ... the same training in fp32 up to kernel rounding, and checkpoints with the eager names.
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-4, atol=0)
     assert keys[True] == keys[False]
