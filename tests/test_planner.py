@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_memory import assert_close, measured_peak, tiny_config
+from test_memory import assert_close, measured_peak, real_batch, tiny_config
 
 from llmtune.cli import main
 from llmtune.memory.estimate import estimate
@@ -65,6 +65,37 @@ def test_the_traced_work_counts_recomputation():
     assert work["every"].flops > 1.15 * work["off"].flops
     assert work["selective"].flops == pytest.approx(work["off"].flops)
     assert work["selective"].ops > work["off"].ops and work["selective"].bytes > work["off"].bytes
+
+
+@pytest.mark.parametrize("spec", [Checkpointing(0), Checkpointing(1), Checkpointing(2)], ids=lambda c: c.describe(4))
+def test_the_traced_ops_are_the_ops_a_real_step_dispatches(spec):
+    """The time model charges a per-op overhead, measured on real tensors (`measure_rates`): so the trace must count
+    the ops a real forward and backward dispatch, not the fake tensors' own bookkeeping (`tensor.device` alone is
+    a dispatch on a fake tensor, ~1400 a layer under checkpointing, and was once counted with its input's bytes)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM
+
+    from llmtune.loss import CausalLMWithLoss
+    from llmtune.model import apply_checkpointing
+
+    cfg = tiny_config("llama", layers=4)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    model.config.use_cache = False
+    apply_checkpointing(model, spec)
+    step = CausalLMWithLoss(model.train(), impl="chunked", chunk_size=64)
+    batch = real_batch(2, 64, "packed")
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step(**batch).backward()
+    traced = estimate(cfg, micro_batch_size=2, gradient_checkpointing=spec, **KW).work.ops
+    assert traced == pytest.approx(Count.ops, rel=0.05)
 
 
 def test_auto_takes_no_checkpointing_when_it_fits_and_the_fastest_that_fits_when_not():

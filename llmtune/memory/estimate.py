@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from llmtune.loss import CausalLMWithLoss, decoder_of, default_chunk_size
 from llmtune.memory.allocator import LARGE_BUFFER, reserved_peak
@@ -366,6 +367,12 @@ class _TraceCounter(LiveStorageCounter):
                 self.segments[name] = _SegmentPeak(int(round(now)), by_tag, self.phase)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.prim.device.default:
+            # `tensor.device` of a fake tensor (the autograd engine and checkpointing ask ~1400 times a layer): an
+            # attribute read in a real step, so neither memory nor work; answered here, as FakeTensorMode would,
+            # without its dispatch cache's hashing (a third of a deep model's trace time).
+            t = args[0]
+            return t.fake_device if isinstance(t, FakeTensor) and not t.fake_mode.in_kernel_invocation else func(*args)
         if func is torch.ops.aten.nonzero.default:
             return self._trained_rows(args[0])
         if func is torch.ops.aten._to_copy.default and self.tag_of(args[0]) == "weights":
@@ -465,8 +472,6 @@ class _Trace:
 
 def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
     """Run one steady-state training step of `config` on fake tensors and record segment peaks."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     fa2 = s.attn_implementation == "flash_attention_2"
     with FakeTensorMode(), _no_packed_mask() if fa2 else nullcontext():
         model = _build_model(config, s)
@@ -696,6 +701,14 @@ def _prefetch(config: Any, jobs: list[tuple[int, _Settings]]) -> None:
         return
     if len(_TRACES) + len(missing) > 64:
         _TRACES.clear()
+    if not FakeTensorMode.cache:
+        # The first trace in a process fills FakeTensorMode's dispatch cache (a class attribute, ~0.5 s on a deep
+        # model): done here once, the workers inherit it instead of each filling its own.
+        n, s = missing.pop(0)
+        _cached_trace(config, n, s, period)
+        if len(missing) < 2:
+            return
+        workers = min(workers, len(missing))
     with mp.get_context("fork").Pool(workers) as pool:
         done = pool.starmap(_trace_job, [(config, n, s, period) for n, s in missing])
     _TRACES.update({(text, n, s, period): t for (n, s), t in zip(missing, done, strict=True)})

@@ -86,6 +86,9 @@ def _best_of(fn: Any, repeats: int, sync: Any) -> float:
     return best
 
 
+CPU_PROBE_FLOPS = 4 * 10**9  # the largest matmul `measure_rates` times on a CPU
+
+
 def measure_rates(device: str | torch.device, dtype: torch.dtype, config: Any) -> Rates:
     """The three rates of `device` for `config`'s architecture, measured in about a second; no weights change.
 
@@ -100,6 +103,11 @@ def measure_rates(device: str | torch.device, dtype: torch.dtype, config: Any) -
     wide = int(getattr(text, "intermediate_size", None) or 4 * hidden)
     # Long enough to time reliably on a shared machine (tens of ms), best of many: the machine's quiet moments.
     rows = 2048
+    if device.type == "cpu" and 2 * rows * hidden * wide > CPU_PROBE_FLOPS:
+        # A 70B layer's MLP matmul is ~1 TFLOP at 2048 rows: tens of seconds a repeat on a CPU. Fewer rows, then a
+        # narrower weight, keep the shape's kind (wide enough for full vector tiles) at about 40 ms.
+        rows = max(256, CPU_PROBE_FLOPS // (2 * hidden * wide))
+        wide = min(wide, max(256, CPU_PROBE_FLOPS // (2 * rows * hidden)))
     a = torch.randn(rows, hidden, device=device, dtype=dtype)
     w = torch.randn(hidden, wide, device=device, dtype=dtype)
     matmul = _best_of(lambda: a @ w, 10, sync)
@@ -132,7 +140,8 @@ def _narrow_step(config: Any, device: torch.device) -> tuple[Any, int]:
             setattr(cfg, key, value)
     cfg.use_cache = False
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg)
+        # fp32: a hub config may say bf16, which a CPU without native bf16 emulates (~30x slower per op).
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.train()
     ids = torch.randint(0, 128, (1, 16), device=device)
 
