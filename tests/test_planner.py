@@ -11,7 +11,7 @@ from test_memory import assert_close, measured_peak, real_batch, tiny_config
 from llmtune.cli import main
 from llmtune.memory.estimate import estimate
 from llmtune.memory.plan import checkpointing_choices, plan_micro_batch
-from llmtune.memory.speed import Rates, Work, datasheet_rates, measure_rates
+from llmtune.memory.speed import Rates, Work, datasheet_rates, dispatched_ops, measure_rates
 from llmtune.recipe import Checkpointing, RecipeError, load_recipe
 
 # Fixed rates: the choice then depends on the traced work only, the same on every machine.
@@ -72,7 +72,6 @@ def test_the_traced_ops_are_the_ops_a_real_step_dispatches(spec):
     """The time model charges a per-op overhead, measured on real tensors (`measure_rates`): so the trace must count
     the ops a real forward and backward dispatch, not the fake tensors' own bookkeeping (`tensor.device` alone is
     a dispatch on a fake tensor, ~1400 a layer under checkpointing, and was once counted with its input's bytes)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import AutoModelForCausalLM
 
     from llmtune.loss import CausalLMWithLoss
@@ -85,17 +84,9 @@ def test_the_traced_ops_are_the_ops_a_real_step_dispatches(spec):
     step = CausalLMWithLoss(model.train(), impl="chunked", chunk_size=64)
     batch = real_batch(2, 64, "packed")
 
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.ops += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        step(**batch).backward()
+    real = dispatched_ops(lambda: step(**batch).backward())
     traced = estimate(cfg, micro_batch_size=2, gradient_checkpointing=spec, **KW).work.ops
-    assert traced == pytest.approx(Count.ops, rel=0.05)
+    assert traced == pytest.approx(real, rel=0.05)
 
 
 def test_auto_takes_no_checkpointing_when_it_fits_and_the_fastest_that_fits_when_not():

@@ -17,6 +17,7 @@ first steps and reports prediction against measurement (`train.py`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,7 +128,6 @@ def _narrow_step(config: Any, device: torch.device) -> tuple[Any, int]:
     """A forward and backward of `config`'s architecture with one narrow layer, and the ops it dispatches."""
     import copy
 
-    from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import AutoModelForCausalLM
 
     cfg = copy.deepcopy(config.get_text_config())
@@ -148,6 +148,13 @@ def _narrow_step(config: Any, device: torch.device) -> tuple[Any, int]:
     def step() -> None:
         model(input_ids=ids, labels=ids).loss.backward()
 
+    return step, dispatched_ops(step)
+
+
+def dispatched_ops(fn: Callable[[], Any]) -> int:
+    """How many ops `fn()` dispatches (the count the time model's per-op overhead is charged on)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     class Count(TorchDispatchMode):
         ops = 0
 
@@ -156,8 +163,8 @@ def _narrow_step(config: Any, device: torch.device) -> tuple[Any, int]:
             return func(*args, **(kwargs or {}))
 
     with Count():
-        step()
-    return step, Count.ops
+        fn()
+    return Count.ops
 
 
 def datasheet_rates(name: str, precision: str) -> Rates | None:
