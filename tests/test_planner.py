@@ -11,7 +11,16 @@ from test_memory import assert_close, measured_peak, real_batch, tiny_config
 from llmtune.cli import main
 from llmtune.memory.estimate import estimate
 from llmtune.memory.plan import checkpointing_choices, plan_micro_batch
-from llmtune.memory.speed import Rates, Work, datasheet_rates, dispatched_ops, measure_rates
+from llmtune.memory.speed import (
+    CPU_PROBE_FLOPS,
+    Rates,
+    Work,
+    datasheet_rates,
+    dispatched_ops,
+    matmul_probe_shape,
+    measure_rates,
+    narrow_model,
+)
 from llmtune.recipe import Checkpointing, RecipeError, load_recipe
 
 # Fixed rates: the choice then depends on the traced work only, the same on every machine.
@@ -125,6 +134,25 @@ def test_rates():
     assert datasheet_rates("h100-80gb", "bf16").flops_per_s > datasheet_rates("a100-80gb", "bf16").flops_per_s
     assert datasheet_rates("some-card", "bf16") is None
     assert RATES.seconds(Work(1e11, 2e10, 1000)) == pytest.approx(1 + 1 + 0.02)
+
+
+def test_the_rate_probes_of_a_70b_config_stay_small_on_a_cpu():
+    """`measure_rates` on a CPU: the matmul probe at most CPU_PROBE_FLOPS (a 70B MLP at 2048 rows is ~1 TFLOP), the
+    overhead probe a one-layer fp32 model even where the config says bf16 (which an AVX2 CPU emulates)."""
+    from transformers import LlamaConfig
+
+    big = LlamaConfig(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, vocab_size=128256, dtype="bfloat16",
+    )  # fmt: skip
+    rows, hidden, wide = matmul_probe_shape(big, "cpu")
+    assert 2 * rows * hidden * wide <= CPU_PROBE_FLOPS and hidden == 8192 and min(rows, wide) >= 256
+    assert matmul_probe_shape(big, "cuda") == (2048, 8192, 28672)  # a GPU times the real shape in ~a millisecond
+    small = tiny_config("llama", layers=2)
+    assert matmul_probe_shape(small, "cpu") == (2048, small.hidden_size, small.intermediate_size)
+    narrow = narrow_model(big, "cpu")
+    assert narrow.config.num_hidden_layers == 1 and narrow.config.hidden_size == 16 * 64
+    assert {p.dtype for p in narrow.parameters()} == {torch.float32}
 
 
 def test_recipe_checkpointing_values(tiny_recipe):

@@ -90,25 +90,32 @@ def _best_of(fn: Any, repeats: int, sync: Any) -> float:
 CPU_PROBE_FLOPS = 4 * 10**9  # the largest matmul `measure_rates` times on a CPU
 
 
+def matmul_probe_shape(config: Any, device_type: str) -> tuple[int, int, int]:
+    """(rows, hidden, wide) of the matmul `measure_rates` times: `config`'s MLP shape at 2048 rows, long enough to
+    time reliably on a shared machine (tens of ms); on a CPU at most `CPU_PROBE_FLOPS`."""
+    text = config.get_text_config()
+    hidden = int(text.hidden_size)
+    wide = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    rows = 2048
+    if device_type == "cpu" and 2 * rows * hidden * wide > CPU_PROBE_FLOPS:
+        # A 70B layer's MLP matmul is ~1 TFLOP at 2048 rows: tens of seconds a repeat on a CPU. Fewer rows, then a
+        # narrower weight, keep the shape's kind (wide enough for full vector tiles) at about 40 ms.
+        rows = max(256, CPU_PROBE_FLOPS // (2 * hidden * wide))
+        wide = min(wide, max(256, CPU_PROBE_FLOPS // (2 * rows * hidden)))
+    return rows, hidden, wide
+
+
 def measure_rates(device: str | torch.device, dtype: torch.dtype, config: Any) -> Rates:
     """The three rates of `device` for `config`'s architecture, measured in about a second; no weights change.
 
-    matmul: (2048 x hidden) @ (hidden x intermediate) in `dtype`, the shape of the decoder's MLP;
+    matmul: (2048 x hidden) @ (hidden x intermediate) in `dtype`, the shape of the decoder's MLP (smaller on a CPU,
+    `matmul_probe_shape`);
     bandwidth: an in-place add over 32 MiB tensors; overhead: a training step (forward and backward) of the same
     architecture shrunk to one narrow layer and 16 tokens, whose time is all per-op overhead (the modules' Python
     and the dispatcher, the same per op at any width), divided by the ops it dispatches."""
     device = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    text = config.get_text_config()
-    hidden = int(text.hidden_size)
-    wide = int(getattr(text, "intermediate_size", None) or 4 * hidden)
-    # Long enough to time reliably on a shared machine (tens of ms), best of many: the machine's quiet moments.
-    rows = 2048
-    if device.type == "cpu" and 2 * rows * hidden * wide > CPU_PROBE_FLOPS:
-        # A 70B layer's MLP matmul is ~1 TFLOP at 2048 rows: tens of seconds a repeat on a CPU. Fewer rows, then a
-        # narrower weight, keep the shape's kind (wide enough for full vector tiles) at about 40 ms.
-        rows = max(256, CPU_PROBE_FLOPS // (2 * hidden * wide))
-        wide = min(wide, max(256, CPU_PROBE_FLOPS // (2 * rows * hidden)))
+    rows, hidden, wide = matmul_probe_shape(config, device.type)
     a = torch.randn(rows, hidden, device=device, dtype=dtype)
     w = torch.randn(hidden, wide, device=device, dtype=dtype)
     matmul = _best_of(lambda: a @ w, 10, sync)
@@ -125,7 +132,18 @@ def measure_rates(device: str | torch.device, dtype: torch.dtype, config: Any) -
 
 
 def _narrow_step(config: Any, device: torch.device) -> tuple[Any, int]:
-    """A forward and backward of `config`'s architecture with one narrow layer, and the ops it dispatches."""
+    """A forward and backward of `narrow_model`, and the ops it dispatches."""
+    model = narrow_model(config, device)
+    ids = torch.randint(0, 128, (1, 16), device=device)
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    return step, dispatched_ops(step)
+
+
+def narrow_model(config: Any, device: str | torch.device) -> torch.nn.Module:
+    """`config`'s architecture with one narrow layer (16-dim heads, vocabulary 128), in fp32, in training mode."""
     import copy
 
     from transformers import AutoModelForCausalLM
@@ -142,13 +160,7 @@ def _narrow_step(config: Any, device: torch.device) -> tuple[Any, int]:
     with torch.device(device):
         # fp32: a hub config may say bf16, which a CPU without native bf16 emulates (~30x slower per op).
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.train()
-    ids = torch.randint(0, 128, (1, 16), device=device)
-
-    def step() -> None:
-        model(input_ids=ids, labels=ids).loss.backward()
-
-    return step, dispatched_ops(step)
+    return model.train()
 
 
 def dispatched_ops(fn: Callable[[], Any]) -> int:
