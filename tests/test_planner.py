@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 
 import pytest
 import torch
 from test_memory import assert_close, measured_peak, real_batch, tiny_config
 
 from llmtune.cli import main
-from llmtune.memory.estimate import estimate
+from llmtune.memory.estimate import estimate, estimate_all
 from llmtune.memory.plan import checkpointing_choices, plan_micro_batch
 from llmtune.memory.speed import (
     CPU_PROBE_FLOPS,
@@ -62,6 +64,28 @@ def test_a_deep_model_composes_every_kth_layer_from_none_and_every_layer_never_u
         whole, composed = estimate(cfg, max_traced_layers=8, **kw), estimate(cfg, max_traced_layers=1, **kw)
         assert composed.work == pytest.approx(whole.work)
         assert 0 <= composed.peak_bytes - whole.peak_bytes <= 1.5 * one_layer
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="traces fork only on 2 or more cores")
+def test_forked_traces_equal_in_process_ones_and_the_first_warms_the_parent(monkeypatch):
+    """On several cores `estimate_all` forks its traces, after running the first in this process: the workers then
+    inherit FakeTensorMode's dispatch cache instead of each filling its own. Forked or not, the same estimates."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    module = importlib.import_module("llmtune.memory.estimate")
+    cfg = tiny_config("llama", layers=6)
+    settings = [dict(micro_batch_size=2, gradient_checkpointing=c, **KW) for c in (False, True, Checkpointing(2))]
+
+    def fresh() -> list:
+        module._TRACES.clear()
+        FakeTensorMode.cache_clear()
+        return estimate_all(cfg, settings, max_traced_layers=1)  # 6 layers traced at 1 and 2: 6 traces
+
+    forked = fresh()
+    assert FakeTensorMode.cache  # the first trace ran here
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0})  # one core: all in this process
+    alone = fresh()
+    assert [(e.peak_bytes, e.work) for e in forked] == [(e.peak_bytes, e.work) for e in alone]
 
 
 def test_the_traced_work_counts_recomputation():
