@@ -307,7 +307,7 @@ def planner_choice(recipe: Any, budget: int, device_type: str) -> list[str]:
         f" {plan.checkpointing.describe(layers)}, micro-batch {m}: peak {format_bytes(plan.predicted_peak_bytes)},"
         f" {plan.predicted_tokens_per_s:,.0f} tokens/s predicted"
     ]
-    speed = {(c["every_n_layers"], c["selective"], c["micro_batch_size"]): c for c in plan.frontier}
+    speed = {(c["checkpointing"], c["micro_batch_size"]): c for c in plan.frontier}
     for other in (Checkpointing(0), Checkpointing(1)):
         if other == plan.checkpointing:
             continue
@@ -316,7 +316,7 @@ def planner_choice(recipe: Any, budget: int, device_type: str) -> list[str]:
             config, micro_batch_size=m, seq_len=recipe.data.max_length, gradient_checkpointing=other,
             grad_accum_steps=plan.grad_accum_steps, **kw,
         ).reserved_bytes  # fmt: skip
-        tokens = speed[(other.every_n_layers, other.selective, m)]["predicted_tokens_per_s"]
+        tokens = speed[(other.describe(layers), m)]["predicted_tokens_per_s"]
         saved = 1 - plan.predicted_peak_bytes / peak
         paid = 1 - plan.predicted_tokens_per_s / tokens
         lines.append(

@@ -81,8 +81,17 @@ def check_bitsandbytes_device(peft_method: str, optimizer: str, device_type: str
     return what if peft_method == "qlora" or optimizer == "adamw_8bit" else None
 
 
+OFFLOAD_NEEDS_CUDA = (
+    "training.gradient_checkpointing.offload moves the inputs checkpointing saves from a GPU to host memory; on a"
+    " CPU they are in host memory already (and the pinned copies need CUDA): remove offload"
+)
+
+
 def check_requirements(recipe: Recipe, device_type: str) -> None:
     """Refuse, before any download or model load, what needs hardware or packages this machine lacks."""
+    checkpointing = checkpointing_of(recipe.training.gradient_checkpointing)
+    if checkpointing is not None and checkpointing.offload and device_type != "cuda":
+        raise SetupError(OFFLOAD_NEEDS_CUDA)
     what = check_bitsandbytes_device(recipe.peft.method, recipe.training.optimizer, device_type)
     if what is not None:
         if importlib.util.find_spec("bitsandbytes") is None:

@@ -24,6 +24,9 @@ Sections (in this order; the memory matrix last, as it takes the time that is le
 - planner: three budgets between the estimates of consecutive micro-batches: the planned micro-batch trains
   under the budget enforced as a hard limit with no out-of-memory error, the next size up does not fit;
   accelerate's `find_executable_batch_size` on the same budgets (its trials and its pick).
+- planner_v2: scripts/bench_planner.py's GPU version (`--quick --device cuda`): every checkpointing x micro-batch
+  candidate of a 1B-wide 4-layer Llama measured; the planner's pick against the measured best and against full
+  checkpointing at three budgets; the time model against every candidate.
 - throughput: llmtune vs the HF Trainer (scripts/bench_vs_hf.py) at identical settings and with each
   tool's defaults: tokens/s, peak memory, MFU against the datasheet peak.
 - memory: the estimate against the measured peak (CUDA: max_memory_allocated and max_memory_reserved; CPU:
@@ -94,8 +97,8 @@ class Size:
 
 FULL = Size(
     max_length=1024, micro=4, planner_global=16, vocab=32000,
-    boxes={"env": 30, "fp16": 40, "bf16_true": 40, "resume": 50, "memory": 300, "planner": 75, "throughput": 90,
-           "fsdp2": 70, "deepspeed_zero3": 70, "gpu_tests": 60},
+    boxes={"env": 30, "fp16": 40, "bf16_true": 40, "resume": 50, "memory": 300, "planner": 75, "planner_v2": 90,
+           "throughput": 90, "fsdp2": 70, "deepspeed_zero3": 70, "gpu_tests": 60},
 )  # fmt: skip
 TINY = Size(
     # Boxes only bound a stuck CI run: a loaded 2-core machine ran this in 45-120 s.
@@ -413,6 +416,10 @@ def memory_cases(ctx: Ctx) -> list[dict]:
     ]
     if ctx.tiny:  # three spread cases (stride 11 over the 2^5 product: every factor takes both values)
         return cases[::11]
+    # Activation offloading (every layer's saved inputs to pinned host memory; CUDA only), bf16, on every model.
+    offload = {"every_n_layers": 1, "offload": True}
+    cases += [dict(model=m, precision="bf16", checkpointing=offload, lora=False, packed=True, attn="sdpa")
+              for m in ctx.models if m != SMOKE and ctx.cuda]  # fmt: skip
     # The time box cuts the tail: first every model and precision (no LoRA, packed rows), then the rest of
     # the 1B shape's matrix, then the others'.
     first = cases[0]["model"]
@@ -543,6 +550,24 @@ def planner_budget(ctx: Ctx, base: dict, budget: int, planned: int, nxt: int) ->
     return row
 
 
+def section_planner_v2(ctx: Ctx, out: dict) -> None:
+    """scripts/bench_planner.py's GPU version: every checkpointing setting x micro-batch of a 1B-wide 4-layer Llama
+    measured, the planner's pick at three budgets against the measured best and against full checkpointing, and
+    the time model (datasheet-free: rates measured on the card) against every candidate (tiny: a toy on the CPU)."""
+    path = ctx.tmp / "planner_v2.json"
+    size = ["--tiny"] if ctx.tiny else ["--quick", "--device", "cuda"]
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_planner.py"), *size, "--out", str(path)]
+    proc = run_group(cmd, ctx.seconds_left(), cwd=ROOT)
+    if proc.returncode:
+        raise RuntimeError((proc.stdout + proc.stderr)[-3000:])
+    result = json.loads(path.read_text())
+    out.update(command=result["command"], summary=result["summary"], table=path.with_suffix(".md").read_text())
+    out["cases"] = [c for r in result["results"] for c in r["cases"]]
+    out["rates"] = {r["model"]: r["rates"] for r in result["results"]}
+    s = result["summary"]
+    out["ok"] = s["pick_over_best_min"] >= 0.95 and s["out_of_budget_picks"] == 0
+
+
 def section_throughput(ctx: Ctx, out: dict) -> None:
     """bench_vs_hf's trials on the 1B shape (tiny: toy), bf16 where the device has it."""
     from transformers import AutoConfig
@@ -655,12 +680,17 @@ SECTIONS: dict[str, tuple[Callable[[Ctx, dict], None], Callable[[Ctx], str | Non
         lambda ctx: no_cuda()(ctx) or (None if importlib.util.find_spec("deepspeed") else "deepspeed is not installed"),
     ),
     "planner": (section_planner, lambda ctx: None),
+    "planner_v2": (section_planner_v2, lambda ctx: None),
     "throughput": (section_throughput, lambda ctx: None),
     "memory": (section_memory, lambda ctx: None),
 }
 
 
 # ---------------------------------------------------------------- report
+
+
+def ckpt_word(checkpointing: bool | dict) -> str:
+    return "offload" if isinstance(checkpointing, dict) else "on" if checkpointing else "off"
 
 
 def pct(x: float | None) -> str:
@@ -695,7 +725,7 @@ def markdown(results: dict) -> str:
         lines += table(
             ["model", "precision", "ckpt", "LoRA", "rows", "attn", "estimate", "allocated", "error", "reserved",
              "estimate vs reserved"],
-            [[r["model"], r["precision"], "on" if r["checkpointing"] else "off", "r16" if r["lora"] else "-",
+            [[r["model"], r["precision"], ckpt_word(r["checkpointing"]), "r16" if r["lora"] else "-",
               "packed" if r["packed"] else "padded", r["attn"], fmt_bytes(r["estimate_bytes"]),
               fmt_bytes(r["measured_bytes"]), pct(r["error"]), fmt_bytes(r["reserved_bytes"]),
               pct(r["error_vs_reserved"])] for r in s["memory"]["rows"]],
@@ -709,6 +739,9 @@ def markdown(results: dict) -> str:
               fmt_bytes(r["next_peak_bytes"]) + (" fits" if r["next_fits"] else " over"), r["accelerate_trials"],
               r["accelerate_pick"]] for r in s["planner"]["rows"]],
         )  # fmt: skip
+    if s.get("planner_v2", {}).get("table"):
+        lines += ["", "## Planner v2: the pick against every candidate measured", ""]
+        lines += s["planner_v2"]["table"].split("\n", 3)[3].strip().splitlines()  # bench_planner's own table
     if s.get("throughput", {}).get("modes"):
         rows = []
         for mode, pair in s["throughput"]["modes"].items():
@@ -742,6 +775,12 @@ def headline(name: str, sec: dict) -> str:
         )
     if name == "planner":
         return f"{len(sec['rows'])} budgets, {sec['ooms']} OOMs, {len(sec['failed'])} failed"
+    if name == "planner_v2":
+        m = sec["summary"]
+        room = m["pick_over_today_median_where_room"] or 0.0
+        return (f"{m['cases']} budgets: pick/best min {m['pick_over_best_min']:.2f}, out-of-budget picks"
+                f" {m['out_of_budget_picks']}, pick/every-layer median {room:.2f}, time model median |error|"
+                f" {m['time_model_median_abs_error_raw']:.0%}")  # fmt: skip
     if name == "throughput":
         ratios = ", ".join(f"{m} {p['tokens_per_s_ratio']:.2f}x" for m, p in sec["modes"].items())
         return f"tokens/s llmtune/HF: {ratios}; best MFU {sec['best_mfu']:.1%}"

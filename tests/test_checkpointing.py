@@ -188,6 +188,23 @@ def test_checkpointing_gives_the_losses_and_gradients_of_none(arch, spec):
     assert_equal_to_none(arch, spec)
 
 
+@pytest.mark.gpu
+def test_offloaded_checkpointing_gives_the_losses_and_gradients_of_none_on_cuda():
+    """Offloading (CUDA only) moves what each checkpoint saves to pinned host memory and back: nothing else."""
+
+    def cuda_step(spec: Checkpointing) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model = tiny_model("llama").cuda()
+        apply_checkpointing(model, spec)
+        loss = model(**{k: v.cuda() for k, v in real_batch(2, 32, "packed").items()}).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    (loss, grads), (want_loss, want_grads) = cuda_step(Checkpointing(1, offload=True)), cuda_step(NONE)
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("spec", [Checkpointing(1), Checkpointing(2), Checkpointing(2, selective=True)], ids=spec_id)
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_dropout_draws_the_same_masks_when_recomputed(arch, spec):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU_SECTIONS = ("env", "bf16_true", "resume", "planner", "throughput", "memory")
+CPU_SECTIONS = ("env", "bf16_true", "resume", "planner", "planner_v2", "throughput", "memory")
 CUDA_SECTIONS = ("fp16", "gpu_tests", "fsdp2", "deepspeed_zero3")
 
 
@@ -37,7 +37,10 @@ def test_gpu_check_tiny_runs_every_section_and_writes_its_results(tmp_path):
     planner = sections["planner"]
     assert planner["ooms"] == 0 and planner["ok"], planner["rows"]
     assert all(r["accelerate_trials"][0] == 2 for r in planner["rows"])  # it starts at the global batch
+    v2 = sections["planner_v2"]
+    assert v2["summary"]["cases"] == 3 and v2["summary"]["out_of_budget_picks"] == 0, v2["summary"]
     assert set(sections["throughput"]["modes"]) == {"identical", "defaults"}
     report = path.with_suffix(".md").read_text()
     assert "## Memory" in report and "## Planner" in report and "## Throughput" in report
+    assert "## Planner v2" in report and "| llama-h64-L2 | tight" in report
     assert "| fp16 | skipped |" in report

@@ -182,9 +182,13 @@ def test_estimate_matches_measured_peak_options(kw: dict) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("precision", "checkpointing"), [("bf16", False), ("bf16", True), ("bf16-true", False)])
-def test_estimate_matches_max_memory_allocated_on_cuda(precision: str, checkpointing: bool) -> None:
-    """The CUDA path is modelled (allocator rounding, CUDA kernels' saved tensors): checked on the GPU."""
+@pytest.mark.parametrize(
+    ("precision", "checkpointing"),
+    [("bf16", False), ("bf16", True), ("bf16-true", False), ("bf16", Checkpointing(1, offload=True))],
+)
+def test_estimate_matches_max_memory_allocated_on_cuda(precision: str, checkpointing: bool | Checkpointing) -> None:
+    """The CUDA path is modelled (allocator rounding, CUDA kernels' saved tensors, offloading's hooks): checked on
+    the GPU."""
     cfg = tiny_config("llama")
     meas = measured_peak(cfg, batch=4, seq_len=256, precision=precision, checkpointing=checkpointing, device="cuda")
     pred = estimate(

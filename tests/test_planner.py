@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from llmtune.memory.speed import (
     Work,
     datasheet_rates,
     dispatched_ops,
+    layer_step_rates,
     matmul_probe_shape,
     measure_rates,
     narrow_model,
@@ -143,6 +145,70 @@ def test_auto_takes_no_checkpointing_when_it_fits_and_the_fastest_that_fits_when
     assert any(c["fits"] is False for c in faster)
 
 
+OFFLOADED = Checkpointing(1, offload=True)
+CUDA_KW = dict(seq_len=256, precision="bf16", device="cuda", loss="chunked", attn_implementation="sdpa")
+
+
+def test_offloading_takes_every_layers_saved_inputs_off_the_gpu_and_pays_the_copies():
+    """Planned for a GPU: with every layer recomputed, what each checkpoint saves is the layer's input (the hidden
+    states, fp32 under autocast); offloaded, those go to host memory in forward and come back in backward, over
+    the host link both ways."""
+    layers, m = 6, 4
+    cfg = tiny_config("llama", layers=layers)
+    every, off = (estimate(cfg, micro_batch_size=m, gradient_checkpointing=c, **CUDA_KW) for c in (True, OFFLOADED))
+    inputs = m * CUDA_KW["seq_len"] * cfg.hidden_size * 4
+    assert every.work.host_bytes == 0 and off.work.host_bytes == 2 * layers * inputs
+    assert every.work.offloadable == layers * inputs  # what the planner times offloading by, before tracing it
+    # At the head (every layer's input kept, without offloading): exactly the inputs fewer on the device. The peak
+    # then moves to the backward of the first layer, whose input is back.
+    assert every.segment_peaks["head"]["activations"] - off.segment_peaks["head"]["activations"] == layers * inputs
+    assert off.peak_bytes < every.peak_bytes and off.peak_phase == "backward"
+    assert off.work.flops == every.work.flops
+    rates = datasheet_rates("a100-80gb", "bf16")  # PCIe 4.0: 32 GB/s a direction, 80% of it
+    assert rates.host_bytes_per_s == pytest.approx(0.8 * 32e9)
+    copies = rates.seconds(off.work) - rates.seconds(replace(off.work, host_bytes=0.0))
+    assert copies == pytest.approx(2 * layers * inputs / rates.host_bytes_per_s)
+
+
+def test_the_planner_offloads_only_on_a_gpu_and_only_when_nothing_else_fits():
+    cfg = tiny_config("llama", layers=8)
+    assert OFFLOADED in checkpointing_choices(8, offload=True) and OFFLOADED not in checkpointing_choices(8)
+    cuda = CUDA_KW | {"seq_len": 1024}  # long enough that activations, not the allocator's pages, set the peak
+    kw = dict(global_batch_size=1, gradient_checkpointing="auto", rates=datasheet_rates("a100-80gb", "bf16"))
+    every = estimate(cfg, micro_batch_size=1, gradient_checkpointing=True, **cuda).reserved_bytes
+    off = estimate(cfg, micro_batch_size=1, gradient_checkpointing=OFFLOADED, **cuda).reserved_bytes
+    assert off < every
+    tight = plan_micro_batch(cfg, budget_bytes=(every + off) // 2, **kw, **cuda)
+    assert tight.checkpointing == OFFLOADED and tight.micro_batch_size == 1 and tight.fits
+    # Where every layer recomputed fits, offloading is timed (from every layer's trace) but never traced.
+    roomy = plan_micro_batch(cfg, budget_bytes=2**34, **kw | {"global_batch_size": 4}, **cuda)
+    offloaded = [c for c in roomy.frontier if c["offload"]]
+    assert not roomy.checkpointing.offload and offloaded and all(c["predicted_peak"] is None for c in offloaded)
+    # Timed at micro-batch 4 from the trace at 1: the copies scale with the tokens (and take the link's time).
+    seconds = {}
+    for spec in (True, OFFLOADED):
+        fixed = kw | {"global_batch_size": 4, "gradient_checkpointing": spec}
+        frontier = plan_micro_batch(cfg, budget_bytes=2**34, **fixed, **cuda).frontier
+        seconds[spec] = {c["micro_batch_size"]: 4 * cuda["seq_len"] / c["predicted_tokens_per_s"] for c in frontier}
+    copies = 2 * 8 * 4 * cuda["seq_len"] * cfg.hidden_size * 4 / kw["rates"].host_bytes_per_s
+    assert copies <= seconds[OFFLOADED][4] - seconds[True][4] < 1.5 * copies
+    # ... and the time `auto` gave it untraced is the traced one's (but for the copies' few allocations).
+    untraced = {c["micro_batch_size"]: 4 * cuda["seq_len"] / c["predicted_tokens_per_s"] for c in offloaded}
+    assert untraced == pytest.approx(seconds[OFFLOADED], rel=0.01)
+    cpu = plan_micro_batch(cfg, budget_bytes=2**34, global_batch_size=4, rates=RATES, **KW)
+    assert not any(c["offload"] for c in cpu.frontier)  # a CPU's activations are in host memory already
+
+
+def test_offloading_is_refused_on_a_cpu_in_words(tiny_recipe, capsys):
+    """transformers' offloading pins host memory, which a CPU-only torch cannot: a recipe asking for it on a CPU
+    gets a clear error before anything loads, and so does an estimate for a CPU."""
+    recipe = tiny_recipe(training__gradient_checkpointing={"every_n_layers": 1, "offload": True})
+    assert main(["train", "--recipe", str(recipe)]) != 0
+    assert "offload moves the inputs checkpointing saves from a GPU" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="remove offload"):
+        estimate(tiny_config("llama"), micro_batch_size=1, gradient_checkpointing=OFFLOADED, **KW)
+
+
 def test_a_fixed_setting_is_planned_as_given():
     cfg = tiny_config("llama", layers=4)
     plan = plan_micro_batch(
@@ -158,6 +224,36 @@ def test_rates():
     assert datasheet_rates("h100-80gb", "bf16").flops_per_s > datasheet_rates("a100-80gb", "bf16").flops_per_s
     assert datasheet_rates("some-card", "bf16") is None
     assert RATES.seconds(Work(1e11, 2e10, 1000)) == pytest.approx(1 + 1 + 0.02)
+
+
+def test_the_flop_rate_follows_the_rows_of_the_step():
+    """Measured at 256 and 1024 rows, the FLOP rate is interpolated in log(rows) between them, held outside them,
+    and the planner times each micro-batch at its own rows (micro-batch x seq_len)."""
+    rates = Rates(1e11, 2e10, 2e-5, "test", flops_by_rows=((256, 6e10), (1024, 1e11)))
+    assert rates.flop_rate(128) == rates.flop_rate(256) == 6e10 and rates.flop_rate(4096) == 1e11
+    assert rates.flop_rate(512) == pytest.approx(8e10) and rates.flop_rate(None) == 1e11
+    cfg = tiny_config("llama", layers=2)
+    kw = dict(global_batch_size=4, budget_bytes=2**30, gradient_checkpointing=False, **KW)
+    flat = plan_micro_batch(cfg, rates=replace(rates, flops_by_rows=()), **kw).frontier
+    rowed = plan_micro_batch(cfg, rates=rates, **kw).frontier
+    by_m = lambda frontier: {c["micro_batch_size"]: c["predicted_tokens_per_s"] for c in frontier}  # noqa: E731
+    # micro-batch 4 x 64 tokens = 256 rows: the slower rate; the same work otherwise.
+    assert by_m(rowed)[4] < by_m(flat)[4] and by_m(rowed)[1] < by_m(flat)[1]
+
+
+def test_a_cpu_times_one_full_width_layer_for_its_flop_rate_unless_it_is_too_large():
+    from transformers import LlamaConfig
+
+    wide = LlamaConfig(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=1024,
+    )  # fmt: skip
+    # At RATES' 1e11 FLOP/s the two steps take ~0.1 s (measure_rates gates on its own matmul probe's rate).
+    timed = layer_step_rates(wide, torch.float32, RATES)
+    assert [rows for rows, _ in timed] == [256, 1024] and all(rate > 0 for _, rate in timed)
+    big = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                      num_key_value_heads=8, vocab_size=128256)  # fmt: skip
+    assert layer_step_rates(big, torch.float32, RATES) == ()  # ~40 s of one layer at 1e11 FLOP/s: not timed
 
 
 def test_the_rate_probes_of_a_70b_config_stay_small_on_a_cpu():

@@ -146,3 +146,18 @@ def datasheet_bandwidth(device_name: str) -> float | None:
     """HBM bytes/s of a GPU known by name, or None."""
     name = device_name.lower()
     return next((tb * 1e12 for pattern, tb in DATASHEET_BANDWIDTH if re.search(pattern, name)), None)
+
+
+# The card's host link in GB/s a direction (PCIe x16: gen5 64, gen4 32, gen3 16), matched like DATASHEET_PEAKS:
+# what activation offloading copies over.
+DATASHEET_HOST_LINK: list[tuple[str, float]] = [
+    (r"h200|h100|h800", 64.0),
+    (r"a100|a800|l40|\bl4\b|\ba10g?\b|rtx 4090|rtx 3090|a6000", 32.0),
+    (r"v100|\bt4\b", 16.0),
+]
+
+
+def datasheet_host_link(device_name: str) -> float | None:
+    """Host link bytes/s a direction of a GPU known by name, or None."""
+    name = device_name.lower()
+    return next((gb * 1e9 for pattern, gb in DATASHEET_HOST_LINK if re.search(pattern, name)), None)

@@ -35,11 +35,16 @@ What is modelled rather than traced (`llmtune.memory.kernels`, each stand-in fro
   the buffers the wrapper would hold (see `_sharding_plan`).
 - compile (`training.compile`): not modelled; the eager step's memory is given (a compiled block
   usually keeps less).
+- activation offloading (`checkpointing.offload`): traced with hooks of our own in place of transformers'
+  `save_on_cpu` (`_offload_saved_inputs`): on CUDA what each checkpoint saves leaves the device in forward and
+  comes back in backward, its bytes counted as host-link traffic (`Work.host_bytes`); pinned host memory is
+  not counted against the device's budget.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import weakref
 from collections.abc import Iterator
@@ -55,7 +60,7 @@ from llmtune.memory.allocator import LARGE_BUFFER, reserved_peak
 from llmtune.memory.kernels import AdamW8bitModel, CudaKernels, parameter_count, quantize_base_4bit
 from llmtune.memory.measure import LiveStorageCounter
 from llmtune.memory.speed import Work
-from llmtune.model import apply_checkpointing, peft_quietly
+from llmtune.model import OFFLOAD_NEEDS_CUDA, apply_checkpointing, peft_quietly
 from llmtune.recipe import Checkpointing, checkpointed_layers, checkpointing_of
 from llmtune.units import format_bytes
 
@@ -129,8 +134,10 @@ class MemoryEstimate:
 
 
 def _validate(s: _Settings) -> None:
-    if s.checkpointing.offload:
-        raise ValueError("activation offloading is not modelled by the estimate (checkpointing.offload)")
+    if s.checkpointing.offload and not s.checkpointing.enabled:
+        raise ValueError("checkpointing.offload moves the inputs that checkpointing saves: it needs checkpointing")
+    if s.checkpointing.offload and s.device != "cuda":
+        raise ValueError(OFFLOAD_NEEDS_CUDA)
     for name, value, allowed in (
         ("objective", s.objective, OBJECTIVES),
         ("reference", s.reference, REFERENCES),
@@ -397,6 +404,49 @@ class _TraceCounter(LiveStorageCounter):
         return self.work["body"] + self.work["head"] * self.untraced_factor
 
 
+def _offload_saved_inputs(model: torch.nn.Module, counter: _TraceCounter) -> None:
+    """Activation offloading as transformers runs it (`save_on_cpu` around each checkpointed layer's checkpoint,
+    on CUDA): what the checkpoint saves -- the layer's tensor inputs, the hidden states -- is copied to pinned host
+    memory in forward, its device copy freed, and copied back when backward recomputes the layer. The trace keeps
+    only the shape meanwhile and counts the bytes both ways (`Work.host_bytes`)."""
+
+    def pack(t: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+        counter.work["body"].host_bytes += t.numel() * t.element_size()
+        return t.size(), t.dtype
+
+    def unpack(packed: tuple[torch.Size, torch.dtype]) -> torch.Tensor:
+        size, dtype = packed
+        counter.work["body"].host_bytes += size.numel() * dtype.itemsize
+        return torch.empty(size, dtype=dtype)  # the device copy, allocated where backward needs it
+
+    _hook_checkpoints(model, pack, unpack)
+
+
+def _count_saved_inputs(model: torch.nn.Module, counter: _TraceCounter) -> None:
+    """What offloading would copy each way, counted without it (`Work.offloadable`): the planner then knows the time
+    of every layer offloaded from the trace of every layer, and traces offloading only if it needs its memory."""
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        counter.work["body"].offloadable += t.numel() * t.element_size()
+        return t
+
+    _hook_checkpoints(model, pack, lambda t: t)
+
+
+def _hook_checkpoints(model: torch.nn.Module, pack: Any, unpack: Any) -> None:
+    """Saved-tensor hooks around each checkpointed layer's checkpoint call: they see what the checkpoint itself
+    saves (its inputs); what the layer saves inside is the checkpoint's own business."""
+    for m in model.modules():
+        func = getattr(m, "_gradient_checkpointing_func", None)
+        if func is not None and getattr(m, "gradient_checkpointing", False):
+            m._gradient_checkpointing_func = functools.partial(_with_saved_tensor_hooks, func, pack, unpack)
+
+
+def _with_saved_tensor_hooks(func: Any, pack: Any, unpack: Any, *args: Any, **kwargs: Any) -> Any:
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return func(*args, **kwargs)
+
+
 def _batch(s: _Settings) -> dict[str, torch.Tensor]:
     """A micro-batch as `llmtune.data.collate` makes it: packed rows carry position ids and no attention
     mask (transformers builds the block-diagonal mask itself), padded rows an attention mask.
@@ -475,8 +525,10 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
     fa2 = s.attn_implementation == "flash_attention_2"
     with FakeTensorMode(), _no_packed_mask() if fa2 else nullcontext():
         model = _build_model(config, s)
-        # A checkpointed block recomputes its forward in backward: with CUDA's kernels too.
-        apply_checkpointing(model, s.checkpointing, recompute=CudaKernels if s.device == "cuda" else None)
+        # A checkpointed block recomputes its forward in backward: with CUDA's kernels too. Offloading is traced
+        # by hooks of our own (`_offload_saved_inputs`): transformers' would copy fake tensors to pinned memory.
+        recompute = CudaKernels if s.device == "cuda" else None
+        apply_checkpointing(model, replace(s.checkpointing, offload=False), recompute=recompute)
         model.train()
         # The module the training loop runs (and refuses what it refuses, with the same message).
         step_module = _step_module(config, model, s)
@@ -510,6 +562,10 @@ def _trace_step(config: Any, s: _Settings, period: int) -> _Trace:
         )
         for tag, factor in plan.scale.items():
             counter.set_scale(tag, factor)
+        if s.checkpointing.offload:
+            _offload_saved_inputs(model, counter)
+        elif s.checkpointing.enabled:
+            _count_saved_inputs(model, counter)
         for p in model.parameters():
             counter.register(p, "weights")
             if p.grad is not None:

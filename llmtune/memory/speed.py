@@ -6,19 +6,23 @@ included, and counts its work (`Work`): the FLOPs of its matmuls and attention (
 optimizer: bound by memory bandwidth), and the number of ops (each costs a fixed dispatch overhead, which
 dominates small models on CPUs). A step takes
 
-    flops / matmul rate + bytes / bandwidth + ops x overhead
+    flops / FLOP rate + bytes / bandwidth + ops x overhead
 
-with the three rates of the device (`Rates`): measured here in a fraction of a second on random tensors
-(`measure_rates`: no training step, no weights), or, for a GPU this machine does not have
+with the three rates of the device (`Rates`): measured here in a fraction of a second on random tensors and
+throwaway one-layer models (`measure_rates`: none of the run's weights), or, for a GPU this machine does not have
 (`llmtune estimate --gpu NAME`), from its datasheet (`datasheet_rates`). The training loop then times its own
 first steps and reports prediction against measurement (`train.py`).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 from typing import Any
 
 import torch
@@ -30,15 +34,22 @@ from torch.utils._pytree import tree_flatten
 GPU_MATMUL_EFFICIENCY = 0.6
 GPU_BANDWIDTH_EFFICIENCY = 0.8
 GPU_OP_OVERHEAD_S = 10e-6
+# Pinned copies between a GPU and host memory reach ~80% of the PCIe link; a card whose link is not known is taken
+# as PCIe 4.0 x16 (32 GB/s a direction).
+HOST_LINK_EFFICIENCY = 0.8
+HOST_LINK_BYTES_PER_S = HOST_LINK_EFFICIENCY * 32e9
 
 
 @dataclass
 class Work:
-    """What a step computes: matmul FLOPs, bytes read and written by the other ops, and ops dispatched."""
+    """What a step computes: matmul FLOPs, bytes read and written by the other ops, ops dispatched, and bytes copied
+    between the device and host memory (activation offloading)."""
 
     flops: float = 0.0
     bytes: float = 0.0
     ops: float = 0.0
+    host_bytes: float = 0.0
+    offloadable: float = 0.0  # bytes the checkpoints save, which offloading would copy each way (not timed)
 
     def add(self, func: Any, args: tuple, kwargs: dict, out: Any, dispatches: float = 1.0) -> None:
         """Count one op; `dispatches` > 1 where it also passes through a Python dispatch mode."""
@@ -53,38 +64,59 @@ class Work:
             self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
     def __add__(self, other: Work) -> Work:
-        return Work(self.flops + other.flops, self.bytes + other.bytes, self.ops + other.ops)
+        return Work(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
     def __sub__(self, other: Work) -> Work:
-        return Work(self.flops - other.flops, self.bytes - other.bytes, self.ops - other.ops)
+        return self + other * -1.0
 
     def __mul__(self, factor: float) -> Work:
-        return Work(self.flops * factor, self.bytes * factor, self.ops * factor)
+        return Work(*(a * factor for a in astuple(self)))
 
 
 @dataclass(frozen=True)
 class Rates:
-    """A device's speed as the time model sees it."""
+    """A device's speed as the time model sees it. `flops_by_rows`: FLOP rates measured at several token counts
+    per forward (rows of the step's matmuls), ascending; where given, they replace `flops_per_s` (`flop_rate`)."""
 
     flops_per_s: float
     bytes_per_s: float
     seconds_per_op: float
     source: str  # how they were found, shown with the plan
+    flops_by_rows: tuple[tuple[int, float], ...] = ()
+    host_bytes_per_s: float = HOST_LINK_BYTES_PER_S  # device <-> pinned host memory (offloading)
 
-    def seconds(self, work: Work) -> float:
-        return work.flops / self.flops_per_s + work.bytes / self.bytes_per_s + work.ops * self.seconds_per_op
+    def flop_rate(self, rows: int | None = None) -> float:
+        """The FLOP rate of a step whose matmuls have `rows` rows: interpolated in log(rows) between the measured
+        points, the nearest one outside them (a CPU's matmuls lose ~30% from 1024 rows to 256 at hidden 256)."""
+        points = [(math.log(r), f) for r, f in self.flops_by_rows]
+        if rows is None or not points:
+            return self.flops_per_s
+        x = math.log(rows)
+        if x <= points[0][0]:
+            return points[0][1]
+        for (x0, f0), (x1, f1) in itertools.pairwise(points):
+            if x <= x1:
+                return f0 + (f1 - f0) * (x - x0) / (x1 - x0)
+        return points[-1][1]
+
+    def seconds(self, work: Work, rows: int | None = None) -> float:
+        # Offloading's copies run on the compute stream (transformers' save_on_cpu): they add to the step.
+        compute = work.flops / self.flop_rate(rows) + work.bytes / self.bytes_per_s + work.ops * self.seconds_per_op
+        return compute + work.host_bytes / self.host_bytes_per_s
 
 
-def _best_of(fn: Any, repeats: int, sync: Any) -> float:
-    fn()  # warm-up: first-call allocations, kernel selection
+def _best_of(fn: Any, repeats: int, sync: Any, pick: Callable[[list[float]], float] = min) -> float:
+    """`fn`'s time after a warm-up call (first-call allocations, kernel selection): the best of `repeats`, or
+    another `pick` of them."""
+    fn()
     sync()
-    best = float("inf")
+    seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         sync()
-        best = min(best, time.perf_counter() - start)
-    return best
+        seconds.append(time.perf_counter() - start)
+    return pick(seconds)
 
 
 CPU_PROBE_FLOPS = 4 * 10**9  # the largest matmul `measure_rates` times on a CPU
@@ -108,42 +140,98 @@ def matmul_probe_shape(config: Any, device_type: str) -> tuple[int, int, int]:
 def measure_rates(device: str | torch.device, dtype: torch.dtype, config: Any) -> Rates:
     """The three rates of `device` for `config`'s architecture, measured in about a second; no weights change.
 
-    matmul: (2048 x hidden) @ (hidden x intermediate) in `dtype`, the shape of the decoder's MLP (smaller on a CPU,
-    `matmul_probe_shape`);
-    bandwidth: an in-place add over 32 MiB tensors; overhead: a training step (forward and backward) of the same
+    FLOP rate: (2048 x hidden) @ (hidden x intermediate) in `dtype`, the decoder MLP's shape (`matmul_probe_shape`);
+    bandwidth: an in-place add over 32 MiB tensors (on CUDA also copied to pinned host memory and back: the host
+    link offloading uses); overhead: a training step (forward and backward) of the same
     architecture shrunk to one narrow layer and 16 tokens, whose time is all per-op overhead (the modules' Python
-    and the dispatcher, the same per op at any width), divided by the ops it dispatches."""
+    and the dispatcher, the same per op at any width), divided by the ops it dispatches;
+    then, on a CPU, the FLOP rate again from training steps of the architecture cut to one full-width layer at 256
+    and 1024 tokens (`layer_model`), less the time their bytes and ops take at the other two rates. That is the rate the
+    step's own matmul shapes run at, forward and backward (transposed, the narrow k/v projections, attention), with
+    the caches as a step leaves them: 0.55-0.75x of the one large matmul's on this project's 2-core hosts. A GPU keeps
+    the matmul's rate: its ops overlap their launch overhead, so a step's time less the other two is no rate.
+    A layer too large to time in a fraction of a second keeps it too (`layer_step_rates`)."""
     device = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     rows, hidden, wide = matmul_probe_shape(config, device.type)
     a = torch.randn(rows, hidden, device=device, dtype=dtype)
     w = torch.randn(hidden, wide, device=device, dtype=dtype)
-    matmul = _best_of(lambda: a @ w, 10, sync)
+    flops_per_s = 2 * rows * hidden * wide / _best_of(lambda: a @ w, 10, sync)
     x = torch.zeros(8 * 1024**2, device=device)  # 32 MiB: past a CPU's last-level cache, as a step's activations
     y = torch.ones_like(x)
-    add = _best_of(lambda: x.add_(y), 10, sync)
+    bytes_per_s = 3 * x.numel() * x.element_size() / _best_of(lambda: x.add_(y), 10, sync)
     step, ops = _narrow_step(config, device)
-    return Rates(
-        flops_per_s=2 * rows * hidden * wide / matmul,
-        bytes_per_s=3 * x.numel() * x.element_size() / add,
-        seconds_per_op=_best_of(step, 5, sync) / ops,
-        source=f"measured on this {device.type}",
-    )
+    seconds_per_op = _best_of(step, 5, sync) / ops
+    probed = Rates(flops_per_s, bytes_per_s, seconds_per_op, f"measured on this {device.type}")
+    if device.type == "cuda":
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        both = _best_of(lambda: (host.copy_(x), x.copy_(host)), 5, sync)  # to the host and back, as offloading copies
+        return replace(probed, host_bytes_per_s=2 * x.numel() * x.element_size() / both)
+    if device.type == "cpu":
+        by_rows = layer_step_rates(config, dtype, probed)
+        if by_rows:
+            return replace(probed, flops_by_rows=by_rows, source="measured on this cpu (one-layer steps)")
+    return probed
+
+
+LAYER_PROBE_ROWS = (256, 1024)  # tokens per forward of the one-layer steps: a micro-batch of 1 to 4 x 256 tokens
+# The most one pass of the one-layer steps may take at the matmul probe's rate (each runs 4 times): a bound that
+# keeps out a 70B layer (~40 s) or bf16 that a CPU emulates, far above a 512-wide layer (~0.25 s).
+LAYER_PROBE_SECONDS = 0.5
+
+
+def layer_step_rates(config: Any, dtype: torch.dtype, probed: Rates) -> tuple[tuple[int, float], ...]:
+    """FLOP/s of real one-layer training steps on this CPU, at each of `LAYER_PROBE_ROWS` tokens, once their
+    memory-bound ops and per-op overhead are taken off (at the `probed` rates). Empty where those steps would take
+    too long to time (a large layer, or bf16 on a CPU that emulates it), or where a step is so much overhead that
+    what is left is within the other rates' noise."""
+    params = sum(p.numel() for p in layer_model(config, "meta", dtype).parameters())
+    if 6 * params * sum(LAYER_PROBE_ROWS) / probed.flops_per_s > LAYER_PROBE_SECONDS:
+        return ()
+    model = layer_model(config, "cpu", dtype)
+    seq = min(256, int(getattr(model.config, "max_position_embeddings", None) or 256))
+    rates = []
+    for rows in LAYER_PROBE_ROWS:
+        ids = torch.randint(0, model.config.vocab_size, (max(1, rows // seq), seq))
+        step = functools.partial(_loss_backward, model, ids)
+        work = dispatched_work(step)
+        # The median, not the best: the time of a typical step, which is what a run (and its check) will see.
+        seconds = _best_of(step, 3, lambda: None, statistics.median)
+        left = seconds - probed.seconds(replace(work, flops=0.0))
+        if left < 0.25 * seconds:
+            return ()
+        rates.append((ids.numel(), work.flops / left))
+    return tuple(rates)
+
+
+def _loss_backward(model: torch.nn.Module, ids: torch.Tensor) -> None:
+    model(input_ids=ids, labels=ids).loss.backward()
+
+
+def layer_model(config: Any, device: str | torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """`config`'s architecture cut to its first layer at full width, with a vocabulary of at most 1024 (the lm_head
+    is one more large matmul, whose shape need not be the real one's), in training mode."""
+    text = config.get_text_config()
+    return _cut_model(config, device, dtype, {"vocab_size": min(int(text.vocab_size), 1024)})
 
 
 def _narrow_step(config: Any, device: torch.device) -> tuple[Any, int]:
     """A forward and backward of `narrow_model`, and the ops it dispatches."""
-    model = narrow_model(config, device)
     ids = torch.randint(0, 128, (1, 16), device=device)
-
-    def step() -> None:
-        model(input_ids=ids, labels=ids).loss.backward()
-
+    step = functools.partial(_loss_backward, narrow_model(config, device), ids)
     return step, dispatched_ops(step)
 
 
 def narrow_model(config: Any, device: str | torch.device) -> torch.nn.Module:
     """`config`'s architecture with one narrow layer (16-dim heads, vocabulary 128), in fp32, in training mode."""
+    heads = int(getattr(config.get_text_config(), "num_attention_heads", 4) or 4)
+    narrow = {"hidden_size": 16 * heads, "intermediate_size": 32 * heads, "vocab_size": 128, "head_dim": 16}
+    # fp32: a hub config may say bf16, which a CPU without native bf16 emulates (~30x slower per op).
+    return _cut_model(config, device, torch.float32, narrow)
+
+
+def _cut_model(config: Any, device: str | torch.device, dtype: torch.dtype, changes: dict) -> torch.nn.Module:
+    """`config`'s text model with one layer and `changes`, each only where the architecture has that key."""
     import copy
 
     from transformers import AutoModelForCausalLM
@@ -151,37 +239,42 @@ def narrow_model(config: Any, device: str | torch.device) -> torch.nn.Module:
     cfg = copy.deepcopy(config.get_text_config())
     heads = int(getattr(cfg, "num_attention_heads", 4) or 4)
     kv = int(getattr(cfg, "num_key_value_heads", heads) or heads)
-    narrow = {"num_hidden_layers": 1, "hidden_size": 16 * heads, "intermediate_size": 32 * heads, "vocab_size": 128}
-    narrow |= {"head_dim": 16, "num_key_value_heads": kv, "layer_types": (getattr(cfg, "layer_types", None) or [])[:1]}
-    for key, value in narrow.items():
+    changes = {"num_hidden_layers": 1, "num_key_value_heads": kv, **changes}
+    changes["layer_types"] = (getattr(cfg, "layer_types", None) or [])[:1]
+    for key, value in changes.items():
         if getattr(cfg, key, None):  # only what this architecture has
             setattr(cfg, key, value)
     cfg.use_cache = False
     with torch.device(device):
-        # fp32: a hub config may say bf16, which a CPU without native bf16 emulates (~30x slower per op).
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return model.train()
+
+
+def dispatched_work(fn: Callable[[], Any]) -> Work:
+    """The work `fn()` dispatches, counted as the trace counts it (`Work.add`), one dispatch per op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    work = Work()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            work.add(func, args, kwargs or {}, out)
+            return out
+
+    with Count():
+        fn()
+    return work
 
 
 def dispatched_ops(fn: Callable[[], Any]) -> int:
     """How many ops `fn()` dispatches (the count the time model's per-op overhead is charged on)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.ops += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.ops
+    return int(dispatched_work(fn).ops)
 
 
 def datasheet_rates(name: str, precision: str) -> Rates | None:
     """Rates of a GPU known by name, from its datasheet (dense 16-bit peak, HBM bandwidth), or None."""
-    from llmtune.catalogue import datasheet_bandwidth, datasheet_peak_flops
+    from llmtune.catalogue import datasheet_bandwidth, datasheet_host_link, datasheet_peak_flops
 
     key = name.lower().replace("-", " ")
     peak, bandwidth = datasheet_peak_flops(key), datasheet_bandwidth(key)
@@ -189,10 +282,12 @@ def datasheet_rates(name: str, precision: str) -> Rates | None:
         return None
     if precision == "fp32":
         peak /= 2  # TF32 tensor cores: half the 16-bit rate
+    link = datasheet_host_link(key)
     return Rates(
         flops_per_s=peak * GPU_MATMUL_EFFICIENCY,
         bytes_per_s=bandwidth * GPU_BANDWIDTH_EFFICIENCY,
         seconds_per_op=GPU_OP_OVERHEAD_S,
         source=f"{name} datasheet: {GPU_MATMUL_EFFICIENCY:.0%} of peak FLOP/s,"
         f" {GPU_BANDWIDTH_EFFICIENCY:.0%} of bandwidth",
+        host_bytes_per_s=HOST_LINK_EFFICIENCY * link if link else HOST_LINK_BYTES_PER_S,
     )
