@@ -81,32 +81,22 @@ GPU = Device("cuda", "bf16-true", 1024)
 TINY = Device("cpu", "fp32", 64)  # the GPU check's toy run on a CPU (CI): every step of the benchmark, in seconds
 
 
+def llama(hidden: int, layers: int, heads: int, vocab: int, seq: int) -> LlamaConfig:
+    """A Llama of the usual proportions: MLP 2.6875x (Llama's 11008 / 4096), half as many K/V heads (4x on GPUs)."""
+    kv = heads // 4 if hidden >= 2048 else heads // 2
+    return LlamaConfig(
+        hidden_size=hidden, intermediate_size=4 * hidden if hidden >= 2048 else int(2.6875 * hidden),
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+        max_position_embeddings=seq,
+    )  # fmt: skip
+
+
 def models(quick: bool, device: Device = CPU) -> dict[str, LlamaConfig]:
     if device is TINY:
-        return {
-            "llama-h64-L2": LlamaConfig(
-                hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=256, max_position_embeddings=device.seq,
-            )
-        }  # fmt: skip
+        return {"llama-h64-L2": llama(64, 2, 4, 256, device.seq)}
     if device is GPU:
-        return {
-            "llama-h2048-L4": LlamaConfig(
-                hidden_size=2048, intermediate_size=8192, num_hidden_layers=4, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=32000, max_position_embeddings=device.seq,
-            )
-        }  # fmt: skip
-    common = dict(vocab_size=1024, max_position_embeddings=device.seq)
-    out = {
-        "llama-h256-L4": LlamaConfig(
-            hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            **common,
-        ),
-        "llama-h512-L6": LlamaConfig(
-            hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
-            **common,
-        ),
-    }  # fmt: skip
+        return {"llama-h2048-L4": llama(2048, 4, 32, 32000, device.seq)}
+    out = {"llama-h256-L4": llama(256, 4, 4, 1024, device.seq), "llama-h512-L6": llama(512, 6, 8, 1024, device.seq)}
     return dict(list(out.items())[:1]) if quick else out
 
 

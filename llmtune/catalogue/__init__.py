@@ -144,8 +144,12 @@ DATASHEET_BANDWIDTH: list[tuple[str, float]] = [
 
 def datasheet_bandwidth(device_name: str) -> float | None:
     """HBM bytes/s of a GPU known by name, or None."""
+    return _first_match(DATASHEET_BANDWIDTH, device_name, 1e12)
+
+
+def _first_match(table: list[tuple[str, float]], device_name: str, unit: float) -> float | None:
     name = device_name.lower()
-    return next((tb * 1e12 for pattern, tb in DATASHEET_BANDWIDTH if re.search(pattern, name)), None)
+    return next((value * unit for pattern, value in table if re.search(pattern, name)), None)
 
 
 # The card's host link in GB/s a direction (PCIe x16: gen5 64, gen4 32, gen3 16), matched like DATASHEET_PEAKS:
@@ -159,5 +163,4 @@ DATASHEET_HOST_LINK: list[tuple[str, float]] = [
 
 def datasheet_host_link(device_name: str) -> float | None:
     """Host link bytes/s a direction of a GPU known by name, or None."""
-    name = device_name.lower()
-    return next((gb * 1e9 for pattern, gb in DATASHEET_HOST_LINK if re.search(pattern, name)), None)
+    return _first_match(DATASHEET_HOST_LINK, device_name, 1e9)
