@@ -351,13 +351,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--tiny", action="store_true", help="a toy model on the CPU, 2 rounds (tests this script)")
+    parser.add_argument("--tiny", action="store_true", help="a toy model on the CPU, 1 round (tests this script)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", default=str(RESULTS / "planner_cpu.json"))
     parser.add_argument("--replan", help="re-plan the measurements and rates of an earlier run's JSON (no training)")
     args = parser.parse_args()
     device = TINY if args.tiny else GPU if args.device == "cuda" else CPU
-    rounds = 2 if args.quick or args.tiny else args.rounds
+    rounds = 1 if args.tiny else 2 if args.quick else args.rounds
     started = time.time()
     if args.replan:
         earlier = json.loads(Path(args.replan).read_text())
