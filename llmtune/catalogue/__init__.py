@@ -114,11 +114,7 @@ DATASHEET_PEAKS: list[tuple[str, float]] = [
 
 def datasheet_peak_flops(device_name: str) -> float | None:
     """Dense 16-bit tensor-core FLOP/s of a GPU known by name, or None."""
-    name = device_name.lower()
-    for pattern, tflops in DATASHEET_PEAKS:
-        if re.search(pattern, name):
-            return tflops * 1e12
-    return None
+    return _first_match(DATASHEET_PEAKS, device_name, 1e12)
 
 
 # HBM bandwidth in TB/s, matched in order like DATASHEET_PEAKS (the time model's memory-bound ops).

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from llmtune.memory.estimate import MemoryEstimate, estimate_all
-from llmtune.memory.speed import Rates, Work
+from llmtune.memory.speed import Rates
 from llmtune.recipe import Checkpointing, Recipe, checkpointed_layers, checkpointing_of
 from llmtune.units import format_bytes
 
@@ -296,7 +296,7 @@ def _timed(
         update = none.optimizer_work
     else:
         work, update = uniform[mode].work, uniform[mode].optimizer_work
-    scaled = Work(work.flops * m / m0, work.bytes * m / m0, work.ops, work.host_bytes * m / m0)
+    scaled = replace(work * (m / m0), ops=work.ops)
     seconds = rates.seconds(scaled, rows=m * seq_len) * (per_process // m) + rates.seconds(update)
     return Candidate(m, mode, seconds, per_process * seq_len / seconds)
 

@@ -138,7 +138,7 @@ def matmul_probe_shape(config: Any, device_type: str) -> tuple[int, int, int]:
 
 
 def measure_rates(device: str | torch.device, dtype: torch.dtype, config: Any) -> Rates:
-    """The three rates of `device` for `config`'s architecture, measured in about a second; no weights change.
+    """The three rates of `device` for `config`'s architecture, measured in 0.3-3 s; none of the run's weights.
 
     FLOP rate: (2048 x hidden) @ (hidden x intermediate) in `dtype`, the decoder MLP's shape (`matmul_probe_shape`);
     bandwidth: an in-place add over 32 MiB tensors (on CUDA also copied to pinned host memory and back: the host
@@ -148,7 +148,7 @@ def measure_rates(device: str | torch.device, dtype: torch.dtype, config: Any) -
     then, on a CPU, the FLOP rate again from training steps of the architecture cut to one full-width layer at 256
     and 1024 tokens (`layer_model`), less the time their bytes and ops take at the other two rates. That is the rate the
     step's own matmul shapes run at, forward and backward (transposed, the narrow k/v projections, attention), with
-    the caches as a step leaves them: 0.55-0.75x of the one large matmul's on this project's 2-core hosts. A GPU keeps
+    the caches as a step leaves them: 0.55-0.8x of the one large matmul's on this project's 2-core hosts. A GPU keeps
     the matmul's rate: its ops overlap their launch overhead, so a step's time less the other two is no rate.
     A layer too large to time in a fraction of a second keeps it too (`layer_step_rates`)."""
     device = torch.device(device)
