@@ -20,6 +20,7 @@ from llmtune.memory.speed import (
     Work,
     datasheet_rates,
     dispatched_ops,
+    flop_rate_left,
     layer_step_rates,
     matmul_probe_shape,
     measure_rates,
@@ -241,19 +242,58 @@ def test_the_flop_rate_follows_the_rows_of_the_step():
     assert by_m(rowed)[4] < by_m(flat)[4] and by_m(rowed)[1] < by_m(flat)[1]
 
 
-def test_a_cpu_times_one_full_width_layer_for_its_flop_rate_unless_it_is_too_large():
+def wide_llama():
     from transformers import LlamaConfig
 
-    wide = LlamaConfig(
+    return LlamaConfig(
         hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=1024,
     )  # fmt: skip
-    # At RATES' 1e11 FLOP/s the two steps take ~0.1 s (measure_rates gates on its own matmul probe's rate).
-    timed = layer_step_rates(wide, torch.float32, RATES)
-    assert [rows for rows, _ in timed] == [256, 1024] and all(rate > 0 for _, rate in timed)
+
+
+def test_a_cpu_times_one_full_width_layer_at_256_and_1024_tokens_for_its_flop_rate():
+    """The timing is given (`time_step`), so the verdict is the same on every host: each step's FLOPs over the
+    seconds its bytes and ops leave. At 1024 tokens the step is 4 x 256 rows of the same layer: 4x the FLOPs."""
+    timed = []
+
+    def ten_seconds(step) -> float:
+        timed.append(step)
+        return 10.0
+
+    free = Rates(flops_per_s=1e11, bytes_per_s=float("inf"), seconds_per_op=0.0, source="test")  # only FLOPs count
+    rates = layer_step_rates(wide_llama(), torch.float32, free, time_step=ten_seconds)
+    assert [rows for rows, _ in rates] == [256, 1024] and len(timed) == 2
+    (_, at_256), (_, at_1024) = rates
+    assert at_1024 == pytest.approx(4 * at_256, rel=1e-4)  # less a few FLOPs per forward (the rotary angles)
+    # Forward and backward: 6 x the matmuls' weights x tokens (q, o; k, v at 2 of 4 heads; the MLP; the lm_head),
+    # and attention's own FLOPs on top.
+    weights = 2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 688 + 256 * 1024
+    assert 1.0 <= at_256 * 10.0 / (6 * weights * 256) < 1.2
+    # The bytes and ops it dispatched are taken off at the probed rates: the same step, less time for its FLOPs.
+    slower = layer_step_rates(wide_llama(), torch.float32, replace(free, seconds_per_op=1e-3), time_step=ten_seconds)
+    assert slower[0][1] > at_256
+
+
+def test_a_step_that_is_mostly_overhead_gives_no_flop_rate():
+    """A fast CPU runs one narrow layer's step in mostly per-op overhead: under a quarter left for the FLOPs is
+    noise, and the matmul probe's rate is kept (the branch that once made a test's verdict depend on the host)."""
+    work = Work(flops=1e9, bytes=0.0, ops=1000)
+    overhead = Rates(flops_per_s=1e11, bytes_per_s=2e10, seconds_per_op=1e-3, source="test")  # 1 s of ops
+    assert flop_rate_left(work, seconds=4.0, probed=overhead) == pytest.approx(1e9 / 3.0)  # 3 s of 4 left
+    assert flop_rate_left(work, seconds=1.3, probed=overhead) is None  # 0.3 s of 1.3 left: under a quarter
+    every_step_overhead = lambda step: 1e-9  # noqa: E731  (less than the ops alone take)
+    assert layer_step_rates(wide_llama(), torch.float32, overhead, time_step=every_step_overhead) == ()
+
+
+def test_a_layer_too_large_to_time_is_not_timed():
+    from transformers import LlamaConfig
+
+    def never(step) -> float:
+        raise AssertionError("timed a 70B layer")
+
     big = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                       num_key_value_heads=8, vocab_size=128256)  # fmt: skip
-    assert layer_step_rates(big, torch.float32, RATES) == ()  # ~40 s of one layer at 1e11 FLOP/s: not timed
+    assert layer_step_rates(big, torch.float32, RATES, time_step=never) == ()  # ~40 s of one layer at 1e11 FLOP/s
 
 
 def test_the_rate_probes_of_a_70b_config_stay_small_on_a_cpu():

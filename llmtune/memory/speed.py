@@ -180,11 +180,22 @@ LAYER_PROBE_ROWS = (256, 1024)  # tokens per forward of the one-layer steps: a m
 LAYER_PROBE_SECONDS = 0.5
 
 
-def layer_step_rates(config: Any, dtype: torch.dtype, probed: Rates) -> tuple[tuple[int, float], ...]:
+StepTimer = Callable[[Callable[[], None]], float]
+
+
+def median_of_3(step: Callable[[], None]) -> float:
+    """A step's seconds: the median of 3 after a warm-up, the time of a typical step, which is what a run (and its
+    check) will see, not the best."""
+    return _best_of(step, 3, lambda: None, statistics.median)
+
+
+def layer_step_rates(
+    config: Any, dtype: torch.dtype, probed: Rates, time_step: StepTimer = median_of_3
+) -> tuple[tuple[int, float], ...]:
     """FLOP/s of real one-layer training steps on this CPU, at each of `LAYER_PROBE_ROWS` tokens, once their
     memory-bound ops and per-op overhead are taken off (at the `probed` rates). Empty where those steps would take
     too long to time (a large layer, or bf16 on a CPU that emulates it), or where a step is so much overhead that
-    what is left is within the other rates' noise."""
+    what is left is within the other rates' noise (`flop_rate_left`). `time_step` times a step (tests give it)."""
     params = sum(p.numel() for p in layer_model(config, "meta", dtype).parameters())
     if 6 * params * sum(LAYER_PROBE_ROWS) / probed.flops_per_s > LAYER_PROBE_SECONDS:
         return ()
@@ -194,14 +205,19 @@ def layer_step_rates(config: Any, dtype: torch.dtype, probed: Rates) -> tuple[tu
     for rows in LAYER_PROBE_ROWS:
         ids = torch.randint(0, model.config.vocab_size, (max(1, rows // seq), seq))
         step = functools.partial(_loss_backward, model, ids)
-        work = dispatched_work(step)
-        # The median, not the best: the time of a typical step, which is what a run (and its check) will see.
-        seconds = _best_of(step, 3, lambda: None, statistics.median)
-        left = seconds - probed.seconds(replace(work, flops=0.0))
-        if left < 0.25 * seconds:
+        rate = flop_rate_left(dispatched_work(step), time_step(step), probed)
+        if rate is None:
             return ()
-        rates.append((ids.numel(), work.flops / left))
+        rates.append((ids.numel(), rate))
     return tuple(rates)
+
+
+def flop_rate_left(work: Work, seconds: float, probed: Rates) -> float | None:
+    """The FLOP rate of a step that took `seconds`, once its bytes and ops are taken off at the `probed` rates; None
+    where under a quarter of the step is left for its FLOPs (a step that is mostly overhead, as one narrow layer is
+    on a fast CPU: the remainder would be noise)."""
+    left = seconds - probed.seconds(replace(work, flops=0.0))
+    return work.flops / left if left >= 0.25 * seconds else None
 
 
 def _loss_backward(model: torch.nn.Module, ids: torch.Tensor) -> None:
