@@ -4,7 +4,7 @@ VENV_OK := .venv/.installed
 # The CPU build of torch, so a machine without a GPU does not download a multi-GB CUDA build.
 CPU_TORCH := torch==2.13.0
 
-.PHONY: install train train-preference train-dpo test test-fast lint format docs clean gpu-wheels gpu-check
+.PHONY: install train train-preference train-dpo test test-fast test-floor lint format docs clean gpu-wheels gpu-check
 
 install: $(VENV_OK)
 
@@ -51,6 +51,17 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not multiprocess" $(ARGS)
 
+# The oldest versions pyproject.toml declares (.ci/floors.py pins each floor), in a venv of their own, on the fast
+# tests. The registry's only torch 2.11 is its CUDA build (runs on a CPU; ~4.7 GB with its CUDA libraries, ~1 min
+# to install from the registry): that venv is CI's, `make install` never takes it.
+FLOOR := .venv-floor
+test-floor:
+	test -x $(FLOOR)/bin/python || python3 -m venv $(FLOOR)
+	$(FLOOR)/bin/python -m pip install -q --upgrade pip
+	$(FLOOR)/bin/python -m pip install -q -e ".[dev]" $$(python3 .ci/floors.py)
+	$(FLOOR)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|peft|datasets|pyyaml|deepspeed) '
+	$(FLOOR)/bin/python -m pytest -q -m "not slow and not multiprocess" $(ARGS)
+
 lint: install
 	$(PY) -m ruff check llmtune scripts tests
 	$(PY) -m ruff format --check llmtune scripts tests
@@ -60,7 +71,7 @@ format: install
 	$(PY) -m ruff check --fix llmtune scripts tests
 
 clean:
-	rm -rf .venv runs .pytest_cache .ruff_cache *.egg-info
+	rm -rf .venv .venv-floor runs .pytest_cache .ruff_cache *.egg-info
 
 docs: install
 	$(PY) -c "import re, pathlib; from llmtune.recipe import reference; p = pathlib.Path('docs/recipes.md'); \

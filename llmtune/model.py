@@ -310,21 +310,19 @@ def apply_checkpointing(
     model: PreTrainedModel, spec: Checkpointing, recompute: Callable[[], Any] | None = None
 ) -> None:
     """Non-reentrant checkpointing of decoder layers 0, k, 2k, ... (`spec.every_n_layers`) through transformers'
-    API (renamed in 5.x; keep working on both), selective or offloaded as `spec` says. `recompute` makes a
+    API (renamed after 5.17; both names work), selective or offloaded as `spec` says. `recompute` makes a
     context entered around each recomputation. Layers not chosen keep their activations, as without it."""
     if not spec.enabled:
         return
     context_fn = _context_fn(spec.selective, recompute)
     kwargs: dict = {"use_reentrant": False} | ({"context_fn": context_fn} if context_fn else {})
+    extra = {"offload": True} if spec.offload else {}
     if hasattr(model, "activation_checkpointing_enable"):
-        extra = {"offload": True} if spec.offload else {}
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **extra)
-    elif spec.offload:
-        raise SetupError("training.gradient_checkpointing.offload needs transformers >= 5 (activation offloading)")
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:  # its name up to transformers 5.2x (5.17, our floor): the same arguments
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **extra)
     if spec.every_n_layers > 1:
-        # Set here rather than through transformers 5's own every_n_layers, so that 4.x counts the same layers.
+        # Set here on the layers themselves: transformers' own every_n_layers is not in every version we support.
         flagged = [
             m for m in decoder_blocks(model, "checkpointing every_n_layers") if hasattr(m, "gradient_checkpointing")
         ]
@@ -353,7 +351,8 @@ def apply_peft(model: PreTrainedModel, cfg: PeftConfig, *, gradient_checkpointin
     if gradient_checkpointing and not getattr(model, "_require_grads_hook", None):
         # Frozen embeddings produce outputs that need no grad; a checkpointed block whose inputs need
         # no grad would give its adapters none ("element 0 of tensors does not require grad").
-        # transformers 5 registers this hook itself in activation_checkpointing_enable; 4.x does not.
+        # transformers registers this hook itself when it enables checkpointing (5.17 and 5.25 do); a model
+        # handed in with checkpointing enabled some other way still needs it.
         model.enable_input_require_grads()
     lora = LoraConfig(
         r=cfg.rank,

@@ -94,12 +94,19 @@ def test_a_fixed_micro_batch_is_estimated_as_given_with_whether_it_fits(capsys):
     assert "micro-batch 1 x" in out and "DOES NOT FIT" in out
 
 
-def test_a_model_without_sdpa_is_planned_with_eager_attention(tmp_path, capsys):
+@pytest.mark.parametrize("sdpa", ["as installed", "patched out"])
+def test_a_model_without_sdpa_is_planned_with_eager_attention(tmp_path, capsys, monkeypatch, sdpa):
+    """Gemma-2 has an SDPA path in transformers 5.17 (our floor) and none in 5.25: the plan follows the class's own
+    flag, so CI's two environments test both sides; patched out, the eager side is tested on any version."""
     from transformers import Gemma2Config
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2PreTrainedModel
 
+    if sdpa == "patched out":
+        monkeypatch.setattr(Gemma2PreTrainedModel, "_supports_sdpa", False)  # the model class and its decoder
     Gemma2Config(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, vocab_size=512,
     ).save_pretrained(tmp_path)  # fmt: skip
     assert main(["estimate", "--model", str(tmp_path), "--gpu", "l4", "--seq-len", "64", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["estimate"]["settings"]["attn_implementation"] == "eager"
+    planned = json.loads(capsys.readouterr().out)["estimate"]["settings"]["attn_implementation"]
+    assert planned == ("sdpa" if Gemma2PreTrainedModel._supports_sdpa else "eager")

@@ -399,8 +399,11 @@ def test_flash_attention_2_without_the_package_is_one_line_for_training() -> Non
         check_attn_implementation(tiny_config("llama"), "flash_attention_2")
 
 
-def test_gemma2_with_sdpa_is_refused_in_one_line_by_training_and_estimate() -> None:
+def test_gemma2_with_sdpa_is_refused_in_one_line_by_training_and_estimate(monkeypatch) -> None:
+    """Refused where the class has no SDPA path (transformers 5.25; 5.17 has one), by the class's own flag: so the
+    refusal is tested on any version, and agrees with transformers' own on the installed one."""
     from transformers import Gemma2Config
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2PreTrainedModel
 
     from llmtune.model import SetupError, check_attn_implementation
 
@@ -408,6 +411,18 @@ def test_gemma2_with_sdpa_is_refused_in_one_line_by_training_and_estimate() -> N
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, vocab_size=VOCAB,
     )  # fmt: skip
+    try:  # the installed transformers' own answer
+        AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        transformers_refuses = False
+    except ValueError:
+        transformers_refuses = True
+    try:
+        check_attn_implementation(cfg, "sdpa")
+        refused = False
+    except SetupError:
+        refused = True
+    assert refused == transformers_refuses
+    monkeypatch.setattr(Gemma2PreTrainedModel, "_supports_sdpa", False)
     message = "model.attn_implementation=sdpa: Gemma2ForCausalLM does not support it; use eager or flash_attention_2"
     with pytest.raises(SetupError) as training:
         check_attn_implementation(cfg, "sdpa")

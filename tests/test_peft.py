@@ -224,7 +224,9 @@ def test_checkpointing_gives_every_layer_the_same_adapter_grads(tmp_path, base_d
         )
         runs[ckpt] = build(load_recipe(recipe))
     model_on = peft_model(runs[True])
-    assert model_on.get_base_model().is_activation_checkpointing
+    # Every decoder layer recomputed (the flag transformers' checkpointing sets on each, 5.17 and 5.25 alike).
+    layers = [m for m in model_on.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+    assert layers and all(layer.gradient_checkpointing for layer in layers)
     # lora_B starts at 0, which zeroes lora_A's gradient; give B values so that both get one.
     torch.manual_seed(0)
     state = {

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import math
 import weakref
 from collections.abc import Iterator
@@ -63,6 +64,8 @@ from llmtune.memory.speed import Work
 from llmtune.model import OFFLOAD_NEEDS_CUDA, apply_checkpointing, peft_quietly
 from llmtune.recipe import Checkpointing, checkpointed_layers, checkpointing_of
 from llmtune.units import format_bytes
+
+log = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
 OPTIMIZERS = ("adamw", "adamw_fused", "adamw_bf16", "adamw_8bit")
@@ -693,6 +696,8 @@ def _combine(plus: list[_Trace], minus: list[_Trace]) -> _Trace:
 # Traces by (config, layers, settings, period): the planner asks for the same traces again and again (every
 # k-th layer checkpointed is composed from the traces of none and of every layer).
 _TRACES: dict[tuple, _Trace] = {}
+# Why forked traces failed in this process, once they have (then every trace runs in the process itself).
+_FORK_REFUSED: list[str] = []
 
 
 def _cached_trace(config: Any, layers: int, s: _Settings, period: int) -> _Trace:
@@ -753,7 +758,7 @@ def _prefetch(config: Any, jobs: list[tuple[int, _Settings]]) -> None:
     text = config.to_json_string(use_diff=False)
     missing = list(dict.fromkeys((n, s) for n, s in jobs if (text, n, s, period) not in _TRACES))
     workers = min(len(missing), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-    if workers < 2 or mp.current_process().daemon or "fork" not in mp.get_all_start_methods():
+    if workers < 2 or mp.current_process().daemon or "fork" not in mp.get_all_start_methods() or _FORK_REFUSED:
         return
     if len(_TRACES) + len(missing) > 64:
         _TRACES.clear()
@@ -765,8 +770,16 @@ def _prefetch(config: Any, jobs: list[tuple[int, _Settings]]) -> None:
         if len(missing) < 2:
             return
         workers = min(workers, len(missing))
-    with mp.get_context("fork").Pool(workers) as pool:
-        done = pool.starmap(_trace_job, [(config, n, s, period) for n, s in missing])
+    try:
+        with mp.get_context("fork").Pool(workers) as pool:
+            done = pool.starmap(_trace_job, [(config, n, s, period) for n, s in missing])
+    except RuntimeError as err:
+        # torch 2.11 refuses autograd in a child forked after the parent ran a backward ("Unable to handle
+        # autograd's threading in combination with fork-based multiprocessing"; 2.13 allows it on a CPU): the
+        # traces then run in this process (the caller's), and no later plan forks again.
+        log.debug("traces run in one process: %s", err)
+        _FORK_REFUSED.append(str(err))
+        return
     _TRACES.update({(text, n, s, period): t for (n, s), t in zip(missing, done, strict=True)})
 
 
