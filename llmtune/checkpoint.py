@@ -1,10 +1,10 @@
 """Checkpoints that are either whole or absent.
 
 Layout: `output_dir/checkpoints/step-000120/` holds Accelerate's state (model or adapter, optimizer,
-loss scaler, the scheduler, every process's RNG states) plus `trainer_state.json` (step, data position,
-memory plan, counters) and `recipe.yaml`. Under FSDP2 the model and optimizer are in `sharded/` instead, one
-file per process (`torch.distributed.checkpoint`); DeepSpeed writes its own per-process files through
-Accelerate. A checkpoint is written under a hidden temporary name and
+loss scaler, every process's RNG states; the learning rate is a function of the step) plus `trainer_state.json`
+(step, data position, memory plan, counters) and `recipe.yaml`. Under FSDP2 the model and optimizer are in
+`sharded/` instead, one file per process (`torch.distributed.checkpoint`); DeepSpeed writes its own per-process
+files through Accelerate. A checkpoint is written under a hidden temporary name and
 renamed only when complete, so a process killed mid-save leaves the previous one untouched; old ones
 are pruned only after the new one is in place. `final/` is written the same way.
 """

@@ -24,7 +24,8 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, set_seed
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from llmtune import checkpoint, parallel, preference
 from llmtune.data import PreparedData, batch_for_step, collate, eval_batches, prepare_data, squared_lengths
@@ -78,7 +79,6 @@ class Run:
     model: torch.nn.Module  # CausalLMWithLoss: DDP/DeepSpeed-prepared by Accelerate, or FSDP2-sharded
     engine: parallel.Engine
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
     plan: BatchPlan
     flops: ModelFlops
     peak_flops: float  # the MFU denominator
@@ -128,11 +128,17 @@ def make_plan(
         precision=precision,
         trained_fraction=trained_fraction,
     )
-    # Planning runs real ops on random tensors (the rates) and must leave the run's random state as it found it:
-    # the model's initialisation and the data order come after it.
-    with torch.random.fork_rng(devices=[acc.device] if acc.device.type == "cuda" else []):
-        rates = plan_rates(device, precision, config)
-        return plan_for_budget(recipe, config, settings, budget_bytes=budget, num_processes=n, rates=rates)
+    # The rates are timed on one process's clock and rank the candidates: each process timing its own could choose
+    # another plan (a loaded host's clock differs) and wait in collectives the others never join. The main process
+    # plans; every process trains its plan.
+    plan = None
+    if acc.is_main_process:
+        # Planning runs real ops on random tensors (the rates) and must leave the run's random state as it found
+        # it: the model's initialisation and the data order come after it.
+        with torch.random.fork_rng(devices=[acc.device] if acc.device.type == "cuda" else []):
+            rates = plan_rates(device, precision, config)
+            plan = plan_for_budget(recipe, config, settings, budget_bytes=budget, num_processes=n, rates=rates)
+    return broadcast_object_list([plan])[0]
 
 
 def shrink_plan(plan: BatchPlan, per_process: int, at_most: int | None = None) -> BatchPlan:
@@ -159,6 +165,10 @@ def make_accelerator(recipe: Recipe, engine: parallel.Engine) -> tuple[Accelerat
     check_trackers(recipe.logging.report_to)
     if device_type == "cuda" and expandable_segments(recipe):
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")  # before the first allocation
+    if device_type == "cpu":
+        # Accelerate and transformers import DeepSpeed wherever it is installed (unwrapping a model to save it),
+        # which then warns that it found no GPU ("Setting accelerator to CPU") unless told it is on a CPU.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     precision, why = choose_precision(recipe.training.precision, device_type)
     mixed = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "no")
     launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
@@ -224,10 +234,6 @@ def build(recipe: Recipe) -> Run:
         # FSDP2 is applied above; Accelerate would wrap the sharded model in DDP on top. Its model and
         # optimizer are checkpointed with torch.distributed.checkpoint (checkpoint.save_checkpoint).
         wrapped, optimizer = accelerator.prepare(wrapped, optimizer)
-    # On the prepared optimizer's groups: ZeRO-3 regroups the parameters it partitions.
-    scheduler = make_scheduler(optimizer, recipe)
-    # Not prepared: Accelerate would step a prepared scheduler once per process per optimizer step.
-    accelerator.register_for_checkpointing(scheduler)
     if recipe.peft.method != "none":
         checkpoint.save_trainable_only(accelerator)
     peak, peak_source = peak_flops(accelerator.device, precision)
@@ -241,7 +247,6 @@ def build(recipe: Recipe) -> Run:
         model=wrapped,
         engine=engine,
         optimizer=optimizer,
-        scheduler=scheduler,
         plan=plan,
         flops=flops,
         peak_flops=peak,
@@ -304,8 +309,15 @@ def lr_factor(step: int, recipe: Recipe) -> float:
     return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, recipe))
+def set_learning_rate(optimizer: torch.optim.Optimizer, recipe: Recipe, step: int) -> float:
+    """Set the learning rate of 0-based `step` on every group (of the prepared optimizer: ZeRO-3 regroups what it
+    partitions). A pure function of the step, as nanoGPT's: a resumed run needs no scheduler state, and an update
+    skipped for a non-finite loss moves the schedule on like any step (a LambdaLR stepped then made PyTorch warn
+    "lr_scheduler.step() before optimizer.step()")."""
+    lr = recipe.training.learning_rate * lr_factor(step, recipe)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
 
 
 def checkpoint_to_resume(r: Recipe) -> Path | None:
@@ -409,7 +421,8 @@ def fit(run: Run) -> dict[str, Any]:
     # from_pretrained returns the model in eval mode, and transformers checkpoints activations (and applies
     # dropout) only in training mode: without this the steps before the first evaluation ran with neither.
     model.train()
-    with Preemption() as preemption:
+    # Log lines go through the progress bar's own writer: printed straight to the terminal, they land on the bar's line.
+    with Preemption() as preemption, logging_redirect_tqdm():
         while step < r.training.max_steps:
             examples = batch_for_step(
                 run.data.train,
@@ -420,6 +433,7 @@ def fit(run: Run) -> dict[str, Any]:
                 world_size=acc.num_processes,
                 group_by_length=r.data.group_by_length,
             )
+            lr = set_learning_rate(run.optimizer, r, step)
             t0 = time.perf_counter()
             # On CUDA the allocator counts for free; on a CPU counting live tensors slows a step down
             # (~1.5x on tiny models), so only the first steps and the logged ones are measured there.
@@ -445,8 +459,6 @@ def fit(run: Run) -> dict[str, Any]:
                 nonfinite = 0
             if result.overflow:  # fp16: the loss scaler skipped the update
                 run.counters["skipped_steps"] += 1
-            lr = run.scheduler.get_last_lr()[0]
-            run.scheduler.step()
             step += 1
             run.counters["trained_tokens"] += result.trained_tokens
             peak = tracker.peak_bytes if measured else None

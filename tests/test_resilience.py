@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import llmtune.train as train_module
 from llmtune import checkpoint
 from llmtune.cli import main
 from llmtune.recipe import load_recipe
-from llmtune.train import EXIT_PREEMPTED, TrainingError, build, fit
+from llmtune.train import EXIT_PREEMPTED, TrainingError, build, fit, lr_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -185,10 +186,18 @@ def test_injected_nonfinite_loss_is_skipped_and_counted(tiny_recipe):
     run = build(load_recipe(tiny_recipe(training__micro_batch_size=8)))  # one forward per step
     before = {k: v.clone() for k, v in run.model.state_dict().items()}
     nan_at(run.model, {0})
-    summary = fit(run)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = fit(run)
+    # The first update was skipped: the learning rate still follows the step, and PyTorch has nothing to warn about
+    # (a LambdaLR stepped past the skipped update warned "lr_scheduler.step() before optimizer.step()").
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
     assert summary["skipped_steps"] == 1
     losses = losses_by_step(Path(run.recipe.output_dir))
     assert losses[1] != losses[1] and all(v == v for s, v in losses.items() if s > 1)  # NaN only at step 1
+    records = [json.loads(line) for line in (Path(run.recipe.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in records if "loss" in r]
+    assert lrs == pytest.approx([1e-3 * lr_factor(s, run.recipe) for s in range(4)])
     assert any(not torch.equal(before[k], v) for k, v in run.model.state_dict().items())
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,13 +26,24 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def test_entry_point_trains_saves_and_reloads(tiny_recipe, tmp_path):
-    recipe = tiny_recipe(training__precision="auto", training__gradient_checkpointing=True, training__max_steps=8)
+    recipe = tiny_recipe(
+        training__precision="auto",
+        training__gradient_checkpointing=True,
+        training__max_steps=8,
+        logging__progress_bar=True,
+        checkpoint__every_n_steps=4,  # logs while the bar is up
+    )
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "finetune.py"), "--recipe", str(recipe), "logging.every_n_steps=4"],
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # What a user reads: no log line glued to the progress bar's, no warning from DeepSpeed (installed here, unused).
+    written = re.split(r"[\r\n]", proc.stderr)
+    assert any("saved checkpoint" in line for line in written) and any("step/s" in line for line in written)
+    assert not [line for line in written if "step/s" in line and " INFO " in line]
+    assert "Setting accelerator to CPU" not in proc.stderr
     run = tmp_path / "run"
     steps = [m for m in read_metrics(run) if "loss" in m]
     assert [m["step"] for m in steps] == list(range(1, 9))
