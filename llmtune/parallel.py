@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,13 +151,14 @@ def backward(acc: Accelerator, engine: Engine, loss: torch.Tensor) -> None:
 
 
 def clip_grad_norm(acc: Accelerator, engine: Engine, model: torch.nn.Module, max_norm: float) -> float:
-    """Clip to the recipe's norm; returns the norm before clipping (nan when clipping is off)."""
+    """Clip to the recipe's norm; returns the norm before clipping. With clipping off (max_norm <= 0) the norm is
+    still measured: a non-finite one keeps the update out of the weights (train_step). DeepSpeed reports nan then."""
     if is_deepspeed(engine):
         # The engine clipped (config `gradient_clipping`) and stepped at the boundary; it reports the norm.
         norm = acc.deepspeed_engine_wrapped.get_global_grad_norm()
         return float("nan") if norm is None else float(norm)
     if max_norm <= 0:
-        return float("nan")
+        max_norm = math.inf
     if engine == "fsdp2":
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)

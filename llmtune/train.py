@@ -255,7 +255,8 @@ def build(recipe: Recipe) -> Run:
     )
     if resume_from is not None:
         resume(run, resume_from)
-    limit = out_of_memory_limit(recipe.output_dir)
+    # One process's disk decides (another node's may not show the file yet): all must train the same micro-batch.
+    limit = broadcast_object_list([out_of_memory_limit(recipe.output_dir) if accelerator.is_main_process else None])[0]
     if limit is not None and limit < run.plan.micro_batch_size:
         run.plan = shrink_plan(run.plan, run.plan.micro_batch_size * run.plan.grad_accum_steps, at_most=limit)
         log.info("an earlier run stopped out of memory: micro-batch %d", run.plan.micro_batch_size)
@@ -445,15 +446,16 @@ def fit(run: Run) -> dict[str, Any]:
             if result is None:  # out of memory: the plan shrank; redo the same step
                 continue
             loss = result.loss
-            if not math.isfinite(loss):
+            if not result.finite:
                 nonfinite += 1
                 run.counters["skipped_steps"] += 1
-                log.warning("step %d: non-finite loss (%s), update skipped (%d in a row)", step + 1, loss, nonfinite)
+                what = f"loss ({loss})" if not math.isfinite(loss) else f"gradient norm ({result.grad_norm})"
+                log.warning("step %d: non-finite %s, update skipped (%d in a row)", step + 1, what, nonfinite)
                 if nonfinite >= r.training.max_nonfinite_steps:
                     raise TrainingError(
-                        f"step {step + 1}: {nonfinite} consecutive non-finite losses; stopping. The last good"
-                        f" checkpoint is kept in {checkpoint.checkpoints_root(out)}. Try a lower learning rate,"
-                        " bf16 instead of fp16, or a smaller training.max_grad_norm."
+                        f"step {step + 1}: {nonfinite} consecutive non-finite losses or gradients; stopping. The"
+                        f" last good checkpoint is kept in {checkpoint.checkpoints_root(out)}. Try a lower learning"
+                        " rate, bf16 instead of fp16, or a smaller training.max_grad_norm."
                     )
             else:
                 nonfinite = 0
@@ -561,6 +563,7 @@ class StepResult(NamedTuple):
     flops: float  # model FLOPs, all processes (metrics.ModelFlops)
     grad_norm: float
     overflow: bool  # fp16: the loss scaler found inf/nan gradients and skipped the update
+    finite: bool  # loss and gradients finite; else the update was skipped (fp16's overflow aside)
     extra: dict[str, float]  # the objective's own metrics (preference: rewards, margin, accuracy)
 
 
@@ -619,15 +622,20 @@ def train_step(run: Run, examples: list[dict]) -> StepResult | None:
     loss, *stats = acc.reduce(sums, reduction="sum").reshape(-1).tolist()
     loss /= max(units, 1)
     extra = preference.step_metrics(stats, pairs) if pairs else {}
-    grad_norm, overflow = float("nan"), False
-    if math.isfinite(loss):
+    grad_norm, overflow, finite = float("nan"), False, math.isfinite(loss)
+    if finite:
         try:
             grad_norm = parallel.clip_grad_norm(acc, run.engine, model, run.recipe.training.max_grad_norm)
-            overflow = optimizer_step(run.optimizer, acc.scaler)
+            # A finite loss can still give inf/nan gradients: stepping would write them into the weights and the
+            # next checkpoint. fp16's loss scaler skips such an update itself; DeepSpeed stepped in its backward.
+            finite = math.isfinite(grad_norm) or acc.scaler is not None or parallel.is_deepspeed(run.engine)
+            if finite:
+                overflow = optimizer_step(run.optimizer, acc.scaler)
         except torch.OutOfMemoryError:  # the weights may be half-updated: only the last checkpoint is sound
             stop_after_out_of_memory(run, "clipping/optimizer step", len(examples))
     run.optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, total, run.flops.step(processed, total, squares), grad_norm, overflow, extra)
+    flops = run.flops.step(processed, total, squares)
+    return StepResult(loss, total, flops, grad_norm, overflow, finite, extra)
 
 
 def stop_after_out_of_memory(run: Run, where: str, per_process: int) -> NoReturn:
@@ -651,7 +659,11 @@ def stop_after_out_of_memory(run: Run, where: str, per_process: int) -> NoReturn
     plan = shrink_plan(run.plan, per_process)
     path = Path(run.recipe.output_dir) / OOM_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"micro_batch_size": plan.micro_batch_size, "where": where}) + "\n")
+    # Every process that ran out of memory writes it (the same plan shrinks the same way): each under its own name,
+    # then renamed, so a reader never sees half a file.
+    tmp = path.with_name(f".{OOM_FILE}.{run.accelerator.process_index}")
+    tmp.write_text(json.dumps({"micro_batch_size": plan.micro_batch_size, "where": where}) + "\n")
+    os.replace(tmp, path)
     log.error(
         "process %d: out of memory in the %s at micro-batch %d; stopping all processes (exit %d). Run the same"
         " command with checkpoint.resume=auto: it continues from the last checkpoint with micro-batch %d.",

@@ -201,6 +201,26 @@ def test_injected_nonfinite_loss_is_skipped_and_counted(tiny_recipe):
     assert any(not torch.equal(before[k], v) for k, v in run.model.state_dict().items())
 
 
+@pytest.mark.parametrize("clipping", [1.0, 0.0])
+def test_a_nonfinite_gradient_with_a_finite_loss_is_skipped_not_stepped(tiny_recipe, clipping):
+    """An overflow in backward gives inf/nan gradients under a finite loss: stepping them would put NaN in every
+    weight (and in the next checkpoint, as the last good state). Clipping on or off, the norm is measured."""
+    recipe = tiny_recipe(training__micro_batch_size=8, training__max_grad_norm=clipping)  # one backward a step
+    run = build(load_recipe(recipe))
+    calls = {"n": 0}
+
+    def inf_at_step_2(grad: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        return grad * float("inf") if calls["n"] == 2 else grad
+
+    next(p for p in run.model.parameters() if p.requires_grad).register_hook(inf_at_step_2)
+    summary = fit(run)
+    assert summary["skipped_steps"] == 1
+    losses = losses_by_step(Path(run.recipe.output_dir))
+    assert sorted(losses) == [1, 2, 3, 4] and all(v == v for v in losses.values())  # finite losses, every step
+    assert all(torch.isfinite(p).all() for p in run.model.parameters())
+
+
 def test_a_run_of_nonfinite_losses_stops_cleanly_keeping_the_checkpoint(tiny_recipe):
     recipe = load_recipe(
         tiny_recipe(

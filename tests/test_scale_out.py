@@ -260,11 +260,22 @@ def test_out_of_memory_on_one_process_stops_all_then_resumes_smaller(
         assert_same_losses(run, reference["none"][0])
 
 
-SKEWED_CLOCKS_ENTRY = """
+# Each process writes the plan it trains to $PLANS/RANK.json.
+RECORD_PLANS = """
 import json, os, sys
 from pathlib import Path
-import llmtune.memory.speed, llmtune.train
+import llmtune.train
 from llmtune.cli import main
+fit = llmtune.train.fit
+def record_plan(run):
+    Path(os.environ["PLANS"], os.environ["RANK"] + ".json").write_text(json.dumps(run.plan.to_dict()))
+    return fit(run)
+llmtune.train.fit = record_plan
+"""
+SKEWED_CLOCKS_ENTRY = (
+    RECORD_PLANS
+    + """
+import llmtune.memory.speed
 from llmtune.memory.speed import Rates
 # Two clocks that rank the candidates in opposite orders: on rank 0 small micro-batches run fastest (the FLOP rate
 # falls with the rows), on rank 1 large ones (every op costs a second), as a loaded host and an idle one disagree.
@@ -273,13 +284,19 @@ rates = {
     "1": Rates(1e11, 2e10, 1.0, "rank 1's clock"),
 }[os.environ["RANK"]]
 llmtune.memory.speed.measure_rates = lambda *args, **kwargs: rates
-fit = llmtune.train.fit
-def record_plan(run):
-    Path(os.environ["PLANS"], os.environ["RANK"] + ".json").write_text(json.dumps(run.plan.to_dict()))
-    return fit(run)
-llmtune.train.fit = record_plan
 sys.exit(main(["train", *sys.argv[1:]]))
 """
+)
+# Process 1 does not see the out-of-memory file (another node's disk, a shared one that lags).
+UNSEEN_FILE_ENTRY = (
+    RECORD_PLANS
+    + """
+import pathlib
+seen = pathlib.Path.is_file
+pathlib.Path.is_file = lambda path: seen(path) and not (os.environ["RANK"] == "1" and path.name == "out_of_memory.json")
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+)
 
 
 def test_processes_whose_clocks_disagree_train_one_plan(model_dir, tiny_data, tmp_path):
@@ -296,6 +313,22 @@ def test_processes_whose_clocks_disagree_train_one_plan(model_dir, tiny_data, tm
     plans = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
     assert plans[0] == plans[1] and plans[0]["micro_batch_size"] == 1, plans  # rank 0's clock: micro-batch 1
     assert "rank 0's clock" in json.dumps(plans[0])
+
+
+def test_an_out_of_memory_file_one_process_cannot_see_shrinks_every_process(model_dir, tiny_data, tmp_path):
+    """The micro-batch an earlier out-of-memory stop asked for is read once and shared: a process whose disk does not
+    show the file trains the same plan as the one that reads it."""
+    recipe = write_recipe(tmp_path, model_dir, tiny_data, "none")
+    entry = tmp_path / "unseen_entry.py"
+    entry.write_text(UNSEEN_FILE_ENTRY)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / OOM_FILE).write_text(json.dumps({"micro_batch_size": 1, "where": "forward/backward"}))
+    cmd, env = launch(recipe, run, "ddp", script=entry), {**os.environ, "PLANS": str(tmp_path)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    plans = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    assert [(p["micro_batch_size"], p["grad_accum_steps"]) for p in plans] == [(1, 4), (1, 4)], plans
 
 
 def test_two_machines_on_localhost_train_together(reference, model_dir, tiny_data, tmp_path):
