@@ -5,10 +5,12 @@ the tokenizer's chat template; a run trained on `prompt_completion` or `text` ro
 that `data.render_prompt` gives at training time (a chat template would be a format the model never saw). A
 folder without a recipe beside it uses the chat template when the tokenizer has one.
 `scripts/eval_accuracy.py` scores answers with `answer`, so `llmtune generate` answers exactly as it is scored.
+A reply ends at any of `stop_ids`: the model's own list (generation_config), not only the tokenizer's eos.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,10 @@ import yaml
 
 from llmtune.data import render_prompt
 from llmtune.merge import ADAPTER_CONFIG, WEIGHT_FILES
+
+# How common chat templates end a turn (ChatML / Qwen, Llama-3, Gemma, Phi-3, Command-R): a chat model ends its
+# reply with this token, which is often not the tokenizer's eos_token.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|END_OF_TURN_TOKEN|>")
 
 
 class GenerateError(ValueError):
@@ -76,6 +82,7 @@ def load_run(run: str | Path, *, chat: bool | None = None) -> LoadedRun:
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
         except (OSError, ValueError) as err:
             raise GenerateError(f"{folder}: cannot load the model: {str(err).strip().splitlines()[0]}") from None
+    model = on_accelerator(model)
     model.eval()
     # Training saves use_cache=False (a cache is useless there); generation wants it back.
     model.config.use_cache = True
@@ -85,6 +92,11 @@ def load_run(run: str | Path, *, chat: bool | None = None) -> LoadedRun:
     if chat and not getattr(tokenizer, "chat_template", None):
         raise GenerateError(f"{folder}: the tokenizer has no chat template; prompt it with plain text instead")
     return LoadedRun(model, tokenizer, chat, folder)
+
+
+def on_accelerator(model: Any) -> Any:
+    """The model on the GPU when there is one (from_pretrained leaves it on the CPU), else as it is."""
+    return model.to("cuda") if torch.cuda.is_available() else model
 
 
 def final_folder(path: Path) -> Path:
@@ -119,10 +131,50 @@ def prompt_ids(run: LoadedRun, messages: list[dict[str, str]]) -> list[int]:
     return render_prompt(messages[-1]["content"], run.tokenizer)
 
 
-def answer(model: Any, tokenizer: Any, ids: list[int], sampling: Sampling, streamer: Any = None) -> str:
-    """Generate after `ids` and return the new text (special tokens dropped, surrounding spaces kept)."""
+def stop_ids(model: Any, tokenizer: Any, chat: bool) -> list[int]:
+    """The ids that end a reply: the model's generation_config eos ids, the tokenizer's eos and, for a prompt
+    rendered with the chat template, the end-of-turn token that template writes (deduplicated, in that order)."""
+    config = getattr(model, "generation_config", None)
+    ids = [*_as_ids(getattr(config, "eos_token_id", None)), *_as_ids(tokenizer.eos_token_id)]
+    if chat:
+        ids += _end_of_turn_ids(tokenizer)
+    return list(dict.fromkeys(ids))
+
+
+def _as_ids(value: int | Sequence[int] | None) -> list[int]:
+    # generation_config.eos_token_id is an int or a list (Gemma-2-it: [1, 107]); a tokenizer's may be None.
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+def _end_of_turn_ids(tokenizer: Any) -> list[int]:
+    """The ids of the END_OF_TURN_TOKENS the chat template writes that the tokenizer knows (not as its unk)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    text = "\n".join(template.values()) if isinstance(template, dict) else str(template)
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in END_OF_TURN_TOKENS if token in text]
+    return [i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id]
+
+
+def _until_stop(row: list[int], stop: Sequence[int]) -> list[int]:
+    """`row` up to (without) its first stop id."""
+    return next((row[:k] for k, token in enumerate(row) if token in stop), row)
+
+
+def _pad_id(tokenizer: Any, stop: Sequence[int]) -> int | None:
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else next(iter(stop), None)
+
+
+def answer(
+    model: Any, tokenizer: Any, ids: list[int], sampling: Sampling, streamer: Any = None, *, chat: bool = False
+) -> str:
+    """Generate after `ids` and return the new text up to the first stop id (special tokens dropped, surrounding
+    spaces kept). `chat`: `ids` were rendered with the chat template, so its end-of-turn token ends the reply."""
     if sampling.seed is not None:
         torch.manual_seed(sampling.seed)
+    stop = stop_ids(model, tokenizer, chat)
     device = next(model.parameters()).device
     inputs = torch.tensor([ids], device=device)
     with torch.no_grad():
@@ -130,12 +182,13 @@ def answer(model: Any, tokenizer: Any, ids: list[int], sampling: Sampling, strea
             inputs,
             attention_mask=torch.ones_like(inputs),
             max_new_tokens=sampling.max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=_pad_id(tokenizer, stop),
+            eos_token_id=stop or None,
             streamer=streamer,
             **sampling.generate_kwargs(),
         )
-    return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+    # A stop id need not be a special token (decoding would keep it), so the text ends before it.
+    return tokenizer.decode(_until_stop(out[0, len(ids) :].tolist(), stop), skip_special_tokens=True)
 
 
 def batch_answers(
@@ -145,13 +198,15 @@ def batch_answers(
     max_new_tokens: list[int],
     sampling: Sampling | None = None,
     batch_size: int = 64,
+    *,
+    chat: bool = False,
 ) -> list[str]:
     """`answer` for many prompts, batched: greedy (the default), what `answer` returns for each, many times faster.
 
     Only prompts of the same length share a batch, so no row is padded and each is decoded as it would be
     alone (padding would shift positions and need a mask the single-prompt path never uses). Each row keeps
-    its own `max_new_tokens` and ends at its first EOS, as `answer` does. With a temperature, rows are sampled
-    (reproducibly with `sampling.seed`, though not as `answer` would sample them one by one).
+    its own `max_new_tokens` and ends at its first stop id (`stop_ids`), as `answer` does. With a temperature,
+    rows are sampled (reproducibly with `sampling.seed`, though not as `answer` would sample them one by one).
     """
     sampling = sampling or Sampling()
     if sampling.seed is not None:
@@ -159,7 +214,8 @@ def batch_answers(
     order: dict[int, list[int]] = {}
     for i, ids in enumerate(prompts):
         order.setdefault(len(ids), []).append(i)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stop = stop_ids(model, tokenizer, chat)
+    pad = _pad_id(tokenizer, stop)
     device = next(model.parameters()).device
     out: list[str] = [""] * len(prompts)
     for length, indices in order.items():
@@ -172,21 +228,18 @@ def batch_answers(
                     attention_mask=torch.ones_like(inputs),
                     max_new_tokens=max(max_new_tokens[i] for i in chunk),
                     pad_token_id=pad,
-                    eos_token_id=tokenizer.eos_token_id,
+                    eos_token_id=stop or None,
                     **sampling.generate_kwargs(),
                 )
             for row, i in zip(generated[:, length:].tolist(), chunk, strict=True):
-                row = row[: max_new_tokens[i]]
-                # Rows that finished early are padded after their EOS; decoding drops special tokens, and the cut
-                # keeps the answer right with a pad token that is not one.
-                if tokenizer.eos_token_id in row:
-                    row = row[: row.index(tokenizer.eos_token_id)]
-                out[i] = tokenizer.decode(row, skip_special_tokens=True)
+                # Rows that finished early are padded after their stop id; the cut keeps the answer right with a
+                # pad token or a stop id that is not a special token (decoding would keep those).
+                out[i] = tokenizer.decode(_until_stop(row[: max_new_tokens[i]], stop), skip_special_tokens=True)
     return out
 
 
 def reply(run: LoadedRun, messages: list[dict[str, str]], sampling: Sampling, streamer: Any = None) -> str:
-    return answer(run.model, run.tokenizer, prompt_ids(run, messages), sampling, streamer)
+    return answer(run.model, run.tokenizer, prompt_ids(run, messages), sampling, streamer, chat=run.chat)
 
 
 def describe(run: LoadedRun) -> str:

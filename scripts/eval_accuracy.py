@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from llmtune.data import render_prompt
-from llmtune.generate import Sampling, answer
+from llmtune.generate import Sampling, answer, on_accelerator
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model)
-    model.eval()
+    model = on_accelerator(model).eval()
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()][: args.limit]
     by_kind: dict[str, list[bool]] = {}
     for row in rows:

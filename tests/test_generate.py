@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import write_tiny_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from llmtune.cli import main
 
@@ -141,3 +141,129 @@ def test_batch_answers_batched_equal_answer_row_by_row():
         for p, b in zip(prompts, budgets, strict=True)
     ]
     assert 0 < sum(early) < len(rows), "some rows end at EOS, some at their budget"
+
+
+# ---------------------------------------------------------------- stop ids and device placement
+
+WORD = "Hello"  # one token of the conftest tokenizer
+
+
+def write_parrot(folder: Path, eos_token_id: int | list[int]) -> Path:
+    """A saved tiny Llama (ChatML template, `generation_config.eos_token_id` as given) that says WORD, then
+    `<|im_end|>`, then WORD again, and so on, whatever the prompt: a chat model that ends its turn with a token
+    other than the tokenizer's eos and, past it, invents more.
+
+    Attention and MLP outputs are zeroed, so the last hidden state is the current token's embedding and the
+    model is a bigram table: any token -> WORD -> <|im_end|> -> WORD."""
+    write_tiny_model(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    (word,) = tokenizer(WORD, add_special_tokens=False).input_ids
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        embed.zero_()
+        head.zero_()
+        embed[:, 0] = 1.0
+        embed[word, 0], embed[word, 1] = 0.0, 1.0
+        embed[end, 0], embed[end, 2] = 0.0, 1.0
+        head[word, 0] = head[word, 2] = head[end, 1] = 1.0
+    model.generation_config.eos_token_id = eos_token_id
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_parrot_runs_past_its_end_of_turn_with_the_tokenizers_eos_alone(tmp_path):
+    """The premise of the stop tests below: stopped at the tokenizer's eos only, the parrot fills its budget."""
+    folder = write_parrot(tmp_path / "parrot", [2, 5])
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+    assert tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True) == WORD * (NEW_TOKENS // 2)
+
+
+def test_replies_stop_at_each_stop_id_of_the_generation_config(tmp_path, capsys, monkeypatch):
+    """Llama-3-Instruct / Gemma-2-it / Qwen: generation_config.json lists the end-of-turn token beside the eos;
+    generate, chat, and prompts rendered with the chat template or plain, one by one or batched, stop there."""
+    from llmtune.generate import Sampling, batch_answers, load_run, prompt_ids, reply
+
+    folder = write_parrot(tmp_path / "parrot", [2, 5])  # [</s>, <|im_end|>]
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [2, 5]
+    got = {"llmtune generate": cli_generate(capsys, folder)}
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{PROMPT}\n\n"))
+    capsys.readouterr()
+    assert main(["chat", "--run", str(folder), "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    got["llmtune chat"] = capsys.readouterr().out.replace("> ", "").strip()
+
+    sampling = Sampling(max_new_tokens=NEW_TOKENS)
+    budgets = [NEW_TOKENS, 1, NEW_TOKENS, 2, NEW_TOKENS, NEW_TOKENS]
+    for chat in (True, False):
+        run = load_run(folder, chat=chat)
+        got[f"reply, chat={chat}"] = reply(run, [{"role": "user", "content": PROMPT}], sampling)
+        prompts = [prompt_ids(run, [{"role": "user", "content": PROMPT[:n]}]) for n in (3, 9, len(PROMPT))] * 2
+        assert len({len(p) for p in prompts}) > 1
+        for k, text in enumerate(batch_answers(run.model, run.tokenizer, prompts, budgets, batch_size=2)):
+            got[f"batch_answers row {k}, chat={chat}"] = text
+    assert got == dict.fromkeys(got, WORD)
+
+
+def test_chat_reply_stops_at_the_templates_end_of_turn(tmp_path):
+    """A model whose generation_config knows only </s>, prompted with a ChatML template (llmtune's fallback for a
+    base model trained on chats): the reply ends at the template's <|im_end|>. Plain prompts never saw the
+    template, so their stops stay the model's own."""
+    from llmtune.generate import Sampling, answer, batch_answers, load_run, prompt_ids, reply
+
+    run = load_run(write_parrot(tmp_path / "parrot", 2), chat=True)
+    messages = [{"role": "user", "content": PROMPT}]
+    sampling = Sampling(max_new_tokens=NEW_TOKENS)
+    assert reply(run, messages, sampling) == WORD
+    ids = prompt_ids(run, messages)
+    assert answer(run.model, run.tokenizer, ids, sampling, chat=True) == WORD
+    assert batch_answers(run.model, run.tokenizer, [ids, ids], [NEW_TOKENS, 3], chat=True) == [WORD, WORD]
+    assert answer(run.model, run.tokenizer, ids, sampling) == WORD * (NEW_TOKENS // 2)
+
+
+def test_stop_ids_gather_the_models_the_tokenizers_and_the_templates(tokenizer):
+    from types import SimpleNamespace
+
+    from llmtune.generate import stop_ids
+
+    def model(eos):
+        return SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=eos))
+
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.eos_token_id == 2 and end == 5
+    assert stop_ids(model(2), tokenizer, chat=False) == [2]  # the old behaviour where eos is the only one
+    assert stop_ids(model(None), tokenizer, chat=False) == [2]
+    assert stop_ids(model([7, 2, 7]), tokenizer, chat=False) == [7, 2]  # Gemma-2-it style list, order kept
+    assert stop_ids(model([2, 5]), tokenizer, chat=True) == [2, 5]
+    assert stop_ids(model(2), tokenizer, chat=True) == [2, 5]  # ChatML's <|im_end|>
+    assert stop_ids(SimpleNamespace(), tokenizer, chat=True) == [2, 5]  # no generation_config at all
+    # Llama-3's and Gemma's markers in a template, unknown to this tokenizer (its unk): not stop ids.
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}<|eot_id|><end_of_turn>{% endfor %}"
+    assert stop_ids(model(2), tokenizer, chat=True) == [2]
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_load_run_moves_the_model_to_the_gpu_when_there_is_one(tmp_path, monkeypatch, cuda):
+    from transformers import LlamaForCausalLM
+
+    from llmtune.generate import load_run
+
+    folder = write_parrot(tmp_path / "parrot", 2)
+    asked: list[torch.device] = []
+
+    def to(self, *args, **kwargs):  # records the device asked for; this machine may have no GPU to move to
+        device = kwargs.get("device", args[0] if args else None)
+        if isinstance(device, str | torch.device):
+            asked.append(torch.device(device))
+        return self
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(LlamaForCausalLM, "to", to)
+    run = load_run(folder)
+    assert [d.type for d in asked] == (["cuda"] if cuda else [])
+    assert isinstance(run.model, LlamaForCausalLM)
