@@ -120,6 +120,17 @@ def load_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
+def weights_signature(name_or_path: str) -> list[list[Any]]:
+    """What identifies a local folder's weights without reading them: each weight file's name, size and
+    modification time (a model retrained into the same folder gets new ones). Empty for a hub id, which its
+    revision identifies."""
+    folder = Path(name_or_path)
+    if not folder.is_dir():
+        return []
+    files = sorted(f for pattern in ("*.safetensors", "*.bin") for f in folder.glob(pattern))
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
 def load_config(cfg: ModelConfig) -> PretrainedConfig:
     return resolve_config(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
 

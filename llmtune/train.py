@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import os
-import signal
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -48,13 +47,14 @@ from llmtune.model import (
     load_config,
     load_model,
     load_tokenizer,
+    weights_signature,
 )
 from llmtune.optim import make_optimizer
+from llmtune.preemption import EXIT_PREEMPTED, Preemption
 from llmtune.recipe import Recipe, checkpointing_of, dump_recipe
 
 log = logging.getLogger(__name__)
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the run saved a checkpoint and stopped on a signal; relaunch to resume.
 OOM_FILE = "out_of_memory.json"  # the micro-batch to resume with after an out-of-memory stop
 
 
@@ -283,6 +283,7 @@ def with_reference(
     m = recipe.model
     settings = {
         "model": [m.name_or_path, m.revision, m.attn_implementation, m.random_init and recipe.seed],
+        "weights": [] if m.random_init else weights_signature(m.name_or_path),
         "precision": precision,
         "loss": wrapped.impl,
         "peft": recipe.peft.method,
@@ -383,29 +384,6 @@ def log_setup(run: Run, trainable: int, total: int) -> None:
 # ---------------------------------------------------------------- the loop
 
 
-class Preemption:
-    """Turns SIGTERM / SIGINT / SIGUSR1 into a flag checked at step boundaries; a second SIGINT aborts."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def __enter__(self) -> Preemption:
-        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        log.warning("received %s: saving a checkpoint at the end of this step", signal.Signals(signum).name)
-        self.requested = True
-
-
 def fit(run: Run) -> dict[str, Any]:
     r, acc, model = run.recipe, run.accelerator, run.model
     out = Path(r.output_dir)
@@ -435,7 +413,7 @@ def fit(run: Run) -> dict[str, Any]:
                 group_by_length=r.data.group_by_length,
             )
             lr = set_learning_rate(run.optimizer, r, step)
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # the step; with its evaluation and checkpoint below, the grace a signal gives
             # On CUDA the allocator counts for free; on a CPU counting live tensors slows a step down
             # (~1.5x on tiny models), so only the first steps and the logged ones are measured there.
             # Steps 3 and 4 are never counted: they time the step for the time model (`check_speed`).
@@ -502,6 +480,8 @@ def fit(run: Run) -> dict[str, Any]:
                     stop_after_out_of_memory(run, "evaluation", len(examples))
                 metrics.log_eval(step, eval_loss)
             stop = preemption_requested(acc, preemption)
+            if stop:
+                preemption.boundary()
             # A step whose loss was non-finite is not checkpointed: the last good checkpoint stays newest.
             periodic = r.checkpoint.every_n_steps and step % r.checkpoint.every_n_steps == 0 and not nonfinite
             if stop or periodic:
@@ -509,6 +489,7 @@ def fit(run: Run) -> dict[str, Any]:
             if stop:
                 metrics.close()
                 return {"preempted_at_step": step}
+            preemption.grace_s = max(preemption.grace_s, 3 * (time.perf_counter() - t0))
     save_base = r.model.random_init and r.peft.method != "none"
     final = checkpoint.save_final(acc, run.engine, model, run.tokenizer, out, save_base=save_base)
     peaks = {"peak_memory_bytes": steady_peak, "peak_reserved_bytes": steady_reserved}

@@ -32,7 +32,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(recipe: Path, *overrides: str, processes: int = 2, config: Path | None = None) -> list[str]:
+def launch(
+    recipe: Path, *overrides: str, processes: int = 2, config: Path | None = None, script: Path | None = None
+) -> list[str]:
     accelerate = Path(sys.executable).with_name("accelerate")
     topology = ["--config_file", str(config)] if config else ["--multi_gpu", "--num_machines", "1"]
     return [
@@ -47,7 +49,7 @@ def launch(recipe: Path, *overrides: str, processes: int = 2, config: Path | Non
         "no",
         "--dynamo_backend",
         "no",
-        str(ROOT / "scripts" / "finetune.py"),
+        str(script or ROOT / "scripts" / "finetune.py"),
         "--recipe",
         str(recipe),
         *overrides,
@@ -100,6 +102,59 @@ def test_sigterm_to_one_process_checkpoints_both_and_exits(tiny_recipe, tmp_path
     (saved,) = checkpoint.complete_checkpoints(run)
     assert {p.name for p in saved.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
     assert json.loads((saved / checkpoint.STATE_FILE).read_text())["step"] == max(losses(run))
+
+
+# Process 1 stops for good in its third step (after writing $HUNG): process 0 then waits in that step's all-reduce,
+# where Python never runs a signal handler. A grace of 2 s instead of a minute.
+HANGING_ENTRY = """
+import os, sys, time
+from pathlib import Path
+import llmtune.preemption, llmtune.train
+from llmtune.cli import main
+llmtune.preemption.SIGNAL_GRACE_S = 2.0
+train_step, calls = llmtune.train.train_step, []
+def hanging_step(run, examples):
+    calls.append(1)
+    if os.environ["RANK"] == "1" and len(calls) == 3:
+        Path(os.environ["HUNG"]).write_text("")
+        time.sleep(3600)
+    return train_step(run, examples)
+llmtune.train.train_step = hanging_step
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+def test_a_run_stuck_in_a_collective_ends_on_sigterm_keeping_the_last_checkpoint(tiny_recipe, tmp_path):
+    """SIGTERM ends both processes of a stuck run within the grace, not at a SIGKILL that a scheduler may never
+    send (it used to leave them holding the devices); the launcher says 75, the last checkpoint is kept."""
+    recipe = tiny_recipe(training__micro_batch_size=2, training__max_steps=100, checkpoint__every_n_steps=1)
+    entry, run, hung = tmp_path / "hung_finetune.py", tmp_path / "run", tmp_path / "hung"
+    entry.write_text(HANGING_ENTRY)
+    launcher = subprocess.Popen(
+        launch(recipe, f"output_dir={run}", script=entry),
+        env={**os.environ, "HUNG": str(hung)},
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not hung.exists():
+            assert launcher.poll() is None, launcher.stderr.read()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(1)  # process 0 is in the all-reduce by now
+        workers = worker_pids(str(run))
+        assert len(workers) == 2
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)
+        launcher.wait(timeout=120)  # a hang guard: without the watchdog, nothing ends them
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    err = launcher.stderr.read()
+    assert f"exitcode  : {EXIT_PREEMPTED}" in err and "no step boundary 2 s after the signal" in err, err[-3000:]
+    assert checkpoint.complete_checkpoints(run)[-1].name == "step-000002"
 
 
 @pytest.mark.parametrize("config", sorted((ROOT / "recipes" / "accelerate").glob("*.yaml")), ids=lambda p: p.name)

@@ -1,0 +1,86 @@
+"""Signals end a run at a step boundary with a checkpoint, and a run stuck where no boundary comes ends anyway.
+
+SIGTERM / SIGINT / SIGUSR1 (a scheduler's cancel or preemption, Ctrl-C) set a flag that the loop checks after each
+step; all processes then save together and exit with EXIT_PREEMPTED. Python runs a signal handler only between
+bytecodes, which a process blocked in a collective never returns to (a peer that died or hangs): it would ignore
+the signal and hold its devices until SIGKILL. So the signal also wakes a thread (through the interpreter's wakeup
+fd, written by the C-level handler even then), and a process that has not reached a boundary `grace_s` later exits
+with EXIT_PREEMPTED without saving: the last checkpoint stays, and `checkpoint.resume: auto` continues from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+
+log = logging.getLogger(__name__)
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the run stopped on a signal; relaunch (resume: auto) to continue.
+# The least time a step, its evaluation and its checkpoint get after a signal; the loop raises it to 3x the longest
+# it has seen (`Preemption.grace_s`), so a slow step is never cut short.
+SIGNAL_GRACE_S = 60.0
+
+
+class Preemption:
+    """Context manager around the loop: `requested` once a signal came; a second SIGINT aborts at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+    def __init__(self, grace_s: float | None = None) -> None:
+        self.requested = False
+        self.grace_s = SIGNAL_GRACE_S if grace_s is None else grace_s
+        self._reached = threading.Event()  # the loop reached its boundary after the signal: it saves and stops
+
+    def __enter__(self) -> Preemption:
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        self._woken, notify = socket.socketpair()
+        notify.setblocking(False)  # the interpreter requires it of a wakeup fd
+        self._notify = notify
+        self._previous_fd = signal.set_wakeup_fd(notify.fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="llmtune-preemption", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.set_wakeup_fd(self._previous_fd)
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._reached.set()
+        self._woken.shutdown(socket.SHUT_RDWR)  # wakes the watcher's recv, which then returns
+        self._woken.close()
+        self._notify.close()
+
+    def boundary(self) -> None:
+        """Every process reached the step boundary after a signal: saving and stopping are the loop's now."""
+        if self.requested:
+            self._reached.set()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        log.warning("received %s: saving a checkpoint at the end of this step", signal.Signals(signum).name)
+        self.requested = True
+
+    def _watch(self) -> None:
+        ours = {int(s) for s in self.SIGNALS}
+        while True:
+            try:
+                received = self._woken.recv(64)
+            except OSError:
+                return
+            if not received or self._reached.is_set():
+                return
+            if ours & set(received):
+                break
+        if self._reached.wait(self.grace_s):
+            return
+        log.error(
+            "no step boundary %.0f s after the signal (waiting on another process?): exiting without a checkpoint;"
+            " the last one is kept (exit %d)",
+            self.grace_s,
+            EXIT_PREEMPTED,
+        )
+        logging.shutdown()
+        os._exit(EXIT_PREEMPTED)  # not an exception: the main thread is blocked where it cannot see one
