@@ -171,6 +171,28 @@ def _why(name: str, err: BaseException) -> str:
     return text.strip().splitlines()[0] if text.strip() else type(err).__name__
 
 
+@contextlib.contextmanager
+def whole_model_init() -> Iterator[None]:
+    """Initialise a model from its config whole, also under DeepSpeed ZeRO-3: with `zero3_init_flag` transformers
+    builds it partition by partition (`zero.Init`), whose random weights are not the ones the seed gives under every
+    other engine (the first loss differed: 5.651 against 5.7185). `prepare` then partitions the whole model."""
+    from accelerate.state import AcceleratorState
+
+    # Only where an Accelerator set the state up: constructing one here would create it (estimate, tests).
+    plugin = AcceleratorState().deepspeed_plugin if AcceleratorState._shared_state else None
+    if plugin is None or not plugin.is_zero3_init_enabled():
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    # transformers decides on zero.Init from the config Accelerate registers (whatever the flag): unregister it.
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()  # registered again for what follows (saving gathers the partitions)
+
+
 def check_attn_implementation(config: PretrainedConfig, attn: str, *, installed: bool = True) -> None:
     """Refuse, in one line, an attention implementation the model's class cannot run (Gemma-2 has no
     SDPA path: it needs logit soft-capping) or, with `installed`, that this machine lacks the package for.
@@ -216,7 +238,7 @@ def load_model(
         )
     if cfg.random_init:
         # On the training device: a GPU initialises a 1B model in about a second, CPU cores take ~10x that.
-        with torch.device(device) if device is not None else contextlib.nullcontext():
+        with torch.device(device) if device is not None else contextlib.nullcontext(), whole_model_init():
             model = AutoModelForCausalLM.from_config(config, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, revision=cfg.revision, **kwargs)
