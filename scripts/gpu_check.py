@@ -632,8 +632,10 @@ def launch_smoke(ctx: Ctx, out: dict, config_file: str) -> None:
         proc = run_group(cmd, ctx.seconds_left(), env=env)
         text = proc.stdout + proc.stderr
         launch = next((line.split(None, 1)[1] for line in text.splitlines() if line.strip().startswith("launch ")), "")
+        # The launcher's own traceback fills the tail; the workers' first error says why (none kept, 2026-12-04).
+        errors = [line for line in text.splitlines() if "Error" in line or "error:" in line][:12]
         out["runs"].append({"max_steps": max_steps, "returncode": proc.returncode, "launch": launch.strip(),
-                            "resumed": "resumed from" in text, "tail": text[-1500:]})  # fmt: skip
+                            "resumed": "resumed from" in text, "errors": errors, "tail": text[-1500:]})  # fmt: skip
         if proc.returncode:
             break  # nothing to resume from
     from transformers import AutoModelForCausalLM

@@ -574,3 +574,29 @@ def test_preference_step_estimate_matches_measured(objective: str, reference: st
         layout=layout, device="cpu", trained_fraction=(half + short) / seq,  # as DataStats gives it
     ).peak_bytes  # fmt: skip
     assert_close(pred, tracker.peak_bytes)
+
+
+def test_a_budget_on_the_device_cuda_without_an_index_caps_the_current_gpu(monkeypatch) -> None:
+    """Accelerate gives one process on one GPU the device "cuda", with no index; capping the process's memory there
+    raised "Expected a torch.device with a specified index" (found by the GPU check). Faked CUDA, the real check."""
+    from torch.cuda._utils import _get_device_index
+
+    capped = []
+
+    def set_fraction(fraction: float, device) -> None:
+        capped.append((fraction, _get_device_index(device)))  # what torch validates before it caps
+
+    for name, fake in {
+        "synchronize": lambda device=None: None,
+        "get_device_properties": lambda device=None: type("Props", (), {"total_memory": 8 * 2**30}),
+        "set_per_process_memory_fraction": set_fraction,
+        "reset_peak_memory_stats": lambda device=None: None,
+        "memory_allocated": lambda device=None: 0,
+        "max_memory_allocated": lambda device=None: 2**30,
+        "max_memory_reserved": lambda device=None: 2**30,
+        "current_device": lambda: 0,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    with PeakMemoryTracker("cuda", limit_bytes=2 * 2**30):
+        pass
+    assert capped == [(0.25, 0), (1.0, 0)]  # a quarter of the card, then the cap lifted

@@ -223,12 +223,16 @@ class PeakMemoryTracker:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    def _index(self) -> int:
+        # One process on one GPU has the device "cuda" (Accelerate's): the memory fraction wants an index.
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
     def __enter__(self) -> PeakMemoryTracker:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
             if self.limit_bytes is not None:
                 total = torch.cuda.get_device_properties(self.device).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, self.limit_bytes / total), self.device)
+                torch.cuda.set_per_process_memory_fraction(min(1.0, self.limit_bytes / total), self._index())
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_peak_after_exit = self._cuda_reserved_after_exit = None
             self.entry_bytes = torch.cuda.memory_allocated(self.device)
@@ -254,7 +258,7 @@ class PeakMemoryTracker:
             self._cuda_peak_after_exit = torch.cuda.max_memory_allocated(self.device)
             self._cuda_reserved_after_exit = torch.cuda.max_memory_reserved(self.device)
             if self.limit_bytes is not None:
-                torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+                torch.cuda.set_per_process_memory_fraction(1.0, self._index())
             return
         assert self._counter is not None
         self._counter.__exit__(*exc)
