@@ -8,10 +8,17 @@ and writes weights and moments back with stochastic rounding: rounded up with pr
 remainder, so every update survives in expectation and nothing is lost on average. It keeps the states in
 bf16 (the memory of bf16-true stays 8 bytes per parameter before activations) and needs no extra package
 (torchao's equivalent is private API and compiles each step).
+
+The rounding noise comes from the optimizer's own generator, reseeded for every chunk from (seed, parameter,
+step, chunk), never from the global RNG: DDP replicas draw the global RNG differently (dropout on differently
+padded batches, a rank-0-only eval), and noise taken from it would make replicas with identical gradients round
+differently and drift apart with nothing to bring them back. Derived from the step, the noise also needs no
+state of its own in a checkpoint: a resumed run draws what the uninterrupted run would have drawn.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,11 +31,12 @@ from llmtune.recipe import Recipe
 CHUNK = 2**22
 
 
-def stochastic_round_(target: torch.Tensor, value: torch.Tensor) -> None:
+def stochastic_round_(target: torch.Tensor, value: torch.Tensor, generator: torch.Generator | None = None) -> None:
     """Write fp32 `value` into bf16 `target`, rounding up or down with probability proportional to the
-    distance (unbiased): the low 16 bits of the fp32 pattern are the remainder below bf16 precision."""
+    distance (unbiased): the low 16 bits of the fp32 pattern are the remainder below bf16 precision.
+    `generator` (on `value`'s device) supplies the noise; None draws from the global RNG."""
     bits = value.view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, device=bits.device, dtype=torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, device=bits.device, dtype=torch.int32, generator=generator)
     # Adding the noise carries into the kept bits with probability remainder / 2^16; truncating then
     # rounds toward zero (for negative numbers the bit pattern is sign-magnitude, so this is symmetric).
     rounded = (bits + noise) & -65536  # 0xFFFF0000 as a signed int32
@@ -40,9 +48,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def noise_seed(seed: int, param_index: int, step: int, chunk: int, shard: tuple[int, ...] = ()) -> int:
+    """The rounding-noise seed of one chunk of one parameter at one step: the same on every process that holds
+    the same elements (DDP replicas), different wherever the elements differ (parameters, chunks, FSDP2 shards)
+    and from step to step (noise repeated across steps would bias the rounding of slowly moving weights)."""
+    key = repr((seed, param_index, step, chunk, shard)).encode()
+    # blake2b rather than hash(): Python salts str hashes per process, and the seeds must agree across processes.
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1  # < 2^63: manual_seed's range
+
+
+def _shard_index(t: torch.Tensor) -> tuple[int, ...]:
+    """Which shard of a DTensor this process holds: its coordinates along the mesh dimensions the tensor is
+    sharded on. Replicated dimensions (HSDP's replicas) are left out: replicas hold the same elements and must
+    draw the same noise. () for a plain tensor (DDP: every process holds all of it)."""
+    placements = getattr(t, "placements", None)
+    if placements is None:
+        return ()
+    coordinate = t.device_mesh.get_coordinate() or []
+    return tuple(c for c, placement in zip(coordinate, placements, strict=False) if placement.is_shard())
+
+
 class BF16AdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) computed in fp32, with bf16 weights and moments stochastically
-    rounded; fp32 parameters (adapters, norms kept in fp32) are updated exactly as `torch.optim.AdamW`."""
+    rounded; fp32 parameters (adapters, norms kept in fp32) are updated exactly as `torch.optim.AdamW`.
+
+    `seed` (the same on every process) seeds the rounding noise (see the module docstring); it is a
+    hyperparameter of each group, so it travels in `state_dict()` with the per-parameter `step` it is mixed with.
+    """
 
     def __init__(
         self,
@@ -51,8 +83,24 @@ class BF16AdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.01,
+        seed: int = 0,
     ) -> None:
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "seed": seed}
+        super().__init__(params, defaults)
+        self._generators: dict[torch.device, torch.Generator] = {}  # reseeded per chunk: they carry no state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # load_state_dict replaces the groups with the saved ones: a checkpoint written before groups carried a
+        # seed falls back to this optimizer's.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("seed", self.defaults["seed"])
+        self.__dict__.setdefault("_generators", {})
+
+    def _generator(self, device: torch.device, seed: int) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        return self._generators[device].manual_seed(seed)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -60,9 +108,12 @@ class BF16AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Parameters are numbered across groups as state_dict() numbers them: the same on every process.
+        index = -1
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
+                index += 1
                 if p.grad is None:
                     continue
                 state = self.state[p]
@@ -76,17 +127,22 @@ class BF16AdamW(torch.optim.Optimizer):
                 root_correction = (1 - beta2**t) ** 0.5
                 decay = 1 - group["lr"] * group["weight_decay"]
                 flat = [_local(x).view(-1) for x in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
-                for w, g, m, v in zip(*(x.split(CHUNK) for x in flat), strict=True):
+                shard = _shard_index(p)
+                for chunk, (w, g, m, v) in enumerate(zip(*(x.split(CHUNK) for x in flat), strict=True)):
                     g32 = g.float()
                     m32 = m.float().lerp_(g32, 1 - beta1)
                     v32 = v.float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
                     w32 = w.float().mul_(decay)
                     w32.addcdiv_(m32, v32.sqrt().div_(root_correction).add_(group["eps"]), value=-step_size)
+                    generator = None
                     for target, value in ((w, w32), (m, m32), (v, v32)):
-                        if target.dtype == torch.bfloat16:
-                            stochastic_round_(target, value)
-                        else:
+                        if target.dtype != torch.bfloat16:
                             target.copy_(value)
+                            continue
+                        if generator is None:  # fp32 parameters draw nothing: no seeding for them
+                            seed = noise_seed(group["seed"], index, t, chunk, shard)
+                            generator = self._generator(w.device, seed)
+                        stochastic_round_(target, value, generator)
         return loss
 
 
@@ -104,7 +160,8 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, device: torch.device)
 
         return bnb.optim.AdamW8bit(groups, lr=t.learning_rate, betas=betas)
     if any(p.dtype == torch.bfloat16 for p in decay + no_decay):
-        return BF16AdamW(groups, lr=t.learning_rate, betas=betas)  # see the module docstring
+        # The recipe's seed is the same on every process, as the rounding noise must be (module docstring).
+        return BF16AdamW(groups, lr=t.learning_rate, betas=betas, seed=recipe.seed)
     # Fused AdamW does the whole update in one kernel with no state-sized temporaries; on a CPU torch's
     # default loops tensor by tensor, ~10x slower (benchmarks/results/measurements.md).
     fused = device.type in ("cuda", "cpu") and all(p.dtype.is_floating_point for p in decay + no_decay)

@@ -244,19 +244,23 @@ def pair_losses(
     et al. 2024; averaged per pair, where TRL's rpo_alpha averages over the tokens of the whole batch: the two
     agree pair by pair); simpo (Meng et al. 2024, eq. 6): -log sigmoid(beta * (avg_c - avg_r) - gamma);
     orpo (Hong et al. 2024, eq. 6-7): NLL of the chosen completion (per token) - beta * log sigmoid(log odds
-    ratio of the per-token averaged probabilities). Rewards: beta * log-ratio (dpo), beta * average
-    log-prob (simpo, orpo).
+    ratio of the per-token averaged probabilities). Rewards: beta * log-ratio (dpo sigmoid), beta * per-token
+    averaged log-ratio (ipo: the ratios its loss uses, so the margin tends to 1/2; TRL 1.16 logs summed ones),
+    beta * average log-prob (simpo, orpo).
     """
-    beta = cfg.beta
+    beta = cfg.beta_for(objective)
     average = logps / tokens.clamp(min=1)
     if objective == "dpo":
         ratios = logps - ref_logps
-        rewards = beta * ratios.detach()
         if cfg.loss == "ipo":
-            delta = (ratios / tokens.clamp(min=1)) @ torch.tensor([1.0, -1.0], device=logps.device)
-            loss = (delta - 1 / (2 * beta)) ** 2
+            # The rewards use the log-ratios the loss uses: the reported margin is then beta * the loss's delta
+            # (driven toward 1/2), and the accuracy orders pairs as the loss does; summed ratios would order
+            # pairs of unequal lengths by length as much as by preference.
+            ratios = ratios / tokens.clamp(min=1)
+            loss = (ratios[:, 0] - ratios[:, 1] - 1 / (2 * beta)) ** 2
         else:
             loss = -F.logsigmoid(beta * (ratios[:, 0] - ratios[:, 1]))
+        rewards = beta * ratios.detach()
         if cfg.nll_weight:
             loss = loss - cfg.nll_weight * average[:, 0]
     elif objective == "simpo":

@@ -227,10 +227,21 @@ class PeftConfig:
     )
 
 
+# preference.beta where a recipe leaves it unset: each method's own value. One key, three meanings: SimPO's beta
+# scales a per-token average log-probability (Meng et al. 2024 train with 2.0-10, their code defaults to 2.0; at
+# 0.1, TRL's CPO default, beta * margin stays far below gamma); DPO's KL strength and ORPO's lambda are 0.1.
+DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0}
+# What recipe.yaml files saved before beta's default depended on the objective list for it, sft runs included.
+_LEGACY_BETA = 0.1
+
+
 @dataclass(frozen=True)
 class PreferenceConfig:
-    beta: float = doc(
-        "dpo: the KL strength (IPO: its tau); simpo: the reward scale; orpo: the odds-ratio weight lambda.", 0.1
+    beta: float | None = doc(
+        "dpo: the KL strength (IPO: its tau); simpo: the reward scale; orpo: the odds-ratio weight lambda. Unset"
+        " (null): the objective's own default, 0.1 for dpo and orpo, 2.0 for simpo (SimPO's: the paper trains with"
+        " 2.0-10; with gamma's default 0.5, gamma/beta is 0.25 as in SimPO's code, set gamma 1.0 for 0.5).",
+        None,
     )
     loss: Literal["sigmoid", "ipo"] = doc(
         "dpo only: sigmoid (DPO) or ipo (IPO: squared loss on length-averaged log-ratios).", "sigmoid"
@@ -249,6 +260,10 @@ class PreferenceConfig:
         " margin.",
         0.0,
     )
+
+    def beta_for(self, objective: str) -> float:
+        """The beta `objective` trains with: the recipe's, else the objective's default (DEFAULT_BETA)."""
+        return DEFAULT_BETA[objective] if self.beta is None else self.beta
 
 
 # Keys of `preference:` and the objectives they belong to (a key set for another objective is refused).
@@ -620,7 +635,9 @@ def _check_objective(r: Recipe) -> list[tuple[str, str]]:
     """
     objective, p, problems = r.training.objective, r.preference, []
     for key, owners in PREFERENCE_KEYS.items():
-        if getattr(p, key) != getattr(PreferenceConfig(), key) and objective not in owners:
+        value = getattr(p, key)
+        legacy = key == "beta" and value == _LEGACY_BETA
+        if value != getattr(PreferenceConfig(), key) and not legacy and objective not in owners:
             problems.append(
                 (
                     f"preference.{key}",
@@ -638,7 +655,7 @@ def _check_objective(r: Recipe) -> list[tuple[str, str]]:
                         f"`data.{split}[{i}].format` is {src.format!r}: training.objective {objective} needs {need}",
                     )
                 )
-    if p.beta <= 0:
+    if p.beta is not None and p.beta <= 0:
         problems.append(("preference.beta", "`preference.beta` must be positive"))
     if p.nll_weight < 0:
         problems.append(("preference.nll_weight", "`preference.nll_weight` must be >= 0"))

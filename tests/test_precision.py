@@ -110,3 +110,55 @@ def test_fp16_overflow_is_detected_from_the_scaler(fused, device):
     assert [step(o) for o in (False, True, False, True)] == [False, True, False, True]
     assert scaler.get_scale() == 2.0**14  # halved twice
     assert optimizer_step(torch.optim.SGD(model.parameters(), lr=0.1), None) is False  # no scaler: never skipped
+
+
+def bf16_steps(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], grads: list[list[torch.Tensor]]) -> None:
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.to(p.dtype, copy=True)
+        opt.step()
+
+
+def test_bf16_adamw_replicas_stay_bit_identical_whatever_else_draws_from_the_global_rng():
+    """DDP replicas: same weights, same (all-reduced) gradients, but each process draws the global RNG in its
+    own way (dropout on differently padded batches). The rounding noise must not come from it, or the replicas'
+    weights part after the first step and nothing brings them back."""
+    data = torch.Generator().manual_seed(1)
+    w0 = [torch.randn(64, 64, generator=data) * 0.02 for _ in range(2)]
+    grads = [[torch.randn(64, 64, generator=data) * 1e-3 for _ in w0] for _ in range(4)]
+    replicas = []
+    for draw_before in (0, 7):
+        params = [torch.nn.Parameter(w.to(torch.bfloat16)) for w in w0]
+        opt = BF16AdamW(params, lr=1e-4, weight_decay=0.0, seed=42)
+        for step_grads in grads:
+            torch.rand(draw_before)  # this process's other use of the global RNG, between steps
+            bf16_steps(opt, params, [step_grads])
+        replicas.append((params, opt))
+    (a, opt_a), (b, opt_b) = replicas
+    for pa, pb in zip(a, b, strict=True):
+        assert torch.equal(pa, pb)
+        assert all(torch.equal(opt_a.state[pa][k], opt_b.state[pb][k]) for k in ("exp_avg", "exp_avg_sq"))
+    assert not torch.equal(a[0], w0[0].to(torch.bfloat16))  # it did train
+
+
+def test_bf16_adamw_resumed_from_its_state_dict_takes_the_same_next_steps(tmp_path):
+    """A checkpoint holds the optimizer's state_dict (Accelerate's save_state, or DCP under FSDP2): the run
+    resumed from it, in a fresh process whose global RNG is wherever that process left it, must draw the rounding
+    noise the uninterrupted run drew."""
+    data = torch.Generator().manual_seed(2)
+    w0 = torch.randn(128, 32, generator=data) * 0.02
+    grads = [[torch.randn(128, 32, generator=data) * 1e-3] for _ in range(5)]
+    p = torch.nn.Parameter(w0.to(torch.bfloat16))
+    opt = BF16AdamW([p], lr=1e-4, weight_decay=0.0, seed=42)
+    bf16_steps(opt, [p], grads[:3])
+    torch.save({"weights": p.detach().clone(), "optimizer": opt.state_dict()}, tmp_path / "checkpoint.pt")
+    bf16_steps(opt, [p], grads[3:])  # the uninterrupted run
+
+    saved = torch.load(tmp_path / "checkpoint.pt")
+    resumed = torch.nn.Parameter(saved["weights"])
+    opt2 = BF16AdamW([resumed], lr=1e-4, weight_decay=0.0, seed=42)
+    opt2.load_state_dict(saved["optimizer"])
+    torch.rand(11)  # the new process's global RNG is not where the old one's was
+    bf16_steps(opt2, [resumed], grads[3:])
+    assert torch.equal(resumed, p)
+    assert torch.equal(opt2.state[resumed]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])

@@ -126,6 +126,44 @@ def test_pair_losses_and_gradients_equal_the_papers_formulas(objective, cfg):
     assert torch.allclose(got, want, atol=1e-5)
 
 
+def test_ipo_rewards_are_the_averaged_log_ratios_its_loss_uses():
+    """IPO's loss is on per-token averaged log-ratios; the rewards, the margin and the accuracy must be too. Pair
+    0 is preferred per token (-0.5 > -1.5) but not in sum (-4 < -3): summed rewards would count it wrong."""
+    beta = 0.3
+    tokens = torch.tensor([[8.0, 2.0], [3.0, 7.0], [5.0, 5.0]])
+    ref = torch.tensor([[-10.0, -6.0], [-4.0, -9.0], [-7.0, -7.0]])
+    logps = ref + torch.tensor([[-4.0, -3.0], [1.5, -2.0], [0.5, 1.0]])  # the log-ratios
+    loss, chosen, rejected = P.pair_losses("dpo", PreferenceConfig(beta=beta, loss="ipo"), logps, tokens, ref)
+    averaged = (logps - ref) / tokens
+    assert torch.allclose(chosen, beta * averaged[:, 0]) and torch.allclose(rejected, beta * averaged[:, 1])
+    # The loss is a function of the reported margin alone, and is 0 where the margin is 1/2.
+    assert torch.allclose(loss, ((chosen - rejected) / beta - 1 / (2 * beta)) ** 2)
+    assert (chosen > rejected).tolist() == [True, True, False]
+    # DPO's sigmoid loss is on summed log-ratios, and so are its rewards.
+    _, chosen, rejected = P.pair_losses("dpo", PreferenceConfig(beta=beta), logps, tokens, ref)
+    assert torch.allclose(chosen, beta * (logps - ref)[:, 0]) and torch.allclose(rejected, beta * (logps - ref)[:, 1])
+
+
+@pytest.mark.parametrize(("objective", "beta"), [("dpo", 0.1), ("orpo", 0.1), ("simpo", 2.0)])
+def test_an_unset_beta_trains_with_the_objectives_own_default(tiny_recipe, pairs_file, objective, beta):
+    """One `preference.beta` key, three meanings: SimPO's scales per-token averages (the paper trains with 2-10;
+    at DPO's 0.1, beta * margin is negligible beside gamma and the loss barely depends on the pair)."""
+    import dataclasses
+
+    cfg = load_recipe(preference_recipe(tiny_recipe, pairs_file, objective)).preference
+    torch.manual_seed(1)
+    tokens = torch.randint(1, 9, (6, 2)).float()
+    logps, ref = -torch.rand(6, 2) * 3 * tokens, -torch.rand(6, 2) * 3 * tokens
+    loss, _, _ = P.pair_losses(objective, cfg, logps, tokens, ref)
+    pc, pr, rc, rr, nc, nr = logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], tokens[:, 0], tokens[:, 1]
+    expected = paper_loss(objective, dataclasses.replace(cfg, beta=beta), pc, pr, rc, rr, nc, nr)
+    assert torch.allclose(loss, expected, atol=1e-6)
+    # A beta the recipe sets is the one used, whatever the objective's default.
+    set_cfg = dataclasses.replace(cfg, beta=0.7)
+    loss, _, _ = P.pair_losses(objective, set_cfg, logps, tokens, ref)
+    assert torch.allclose(loss, paper_loss(objective, set_cfg, pc, pr, rc, rr, nc, nr), atol=1e-6)
+
+
 # ---------------------------------------------------------------- against TRL (test-only dependency)
 
 

@@ -63,6 +63,27 @@ def test_value_rules(tmp_path):
         load_recipe(path)
 
 
+def test_preference_beta_unset_is_the_objectives_default_and_set_is_checked(tmp_path):
+    pairs = {"train": [{"path": "x.jsonl", "format": "preference"}]}
+
+    def preference(objective: str, **keys) -> Path:
+        data = pairs if objective != "sft" else MINIMAL["data"]
+        recipe = {**MINIMAL, "data": data, "training": {"objective": objective}, "preference": keys}
+        return write(tmp_path / f"{objective}.yaml", recipe)
+
+    defaults = {o: load_recipe(preference(o)).preference.beta_for(o) for o in ("dpo", "orpo", "simpo")}
+    assert defaults == {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0}
+    assert load_recipe(preference("simpo", beta=0.1)).preference.beta_for("simpo") == 0.1  # set: kept as set
+    with pytest.raises(RecipeError, match="`preference.beta` must be positive"):
+        load_recipe(preference("simpo", beta=0))
+    # An sft recipe.yaml saved by earlier versions lists beta: 0.1 (every key, then a fixed default): still loads.
+    assert load_recipe(preference("sft", beta=0.1)).preference.beta == 0.1
+    with pytest.raises(
+        RecipeError, match="`preference.beta` applies to training.objective dpo / orpo / simpo, not sft"
+    ):
+        load_recipe(preference("sft", beta=0.5))
+
+
 def test_warmup_longer_than_the_run_is_allowed_but_not_negative(tmp_path):
     path = write(tmp_path / "r.yaml", {**MINIMAL, "training": {"max_steps": 1, "warmup_steps": 20}})
     assert load_recipe(path).training.warmup_steps == 20  # a smoke run of a recipe with warmup
