@@ -388,10 +388,15 @@ def with_reference(
 ) -> Any:
     """`rows` with a `ref_logps` column, read from `cache_dir` when this model, data and settings were
     computed before (a resume, a second run), else computed once and written there."""
+    from accelerate.utils import broadcast_object_list
+
     path = cache_dir / f"reference-{reference_key(settings, rows)}.json"
-    if path.is_file():
+    # The main process's disk decides and all share what it read: a process that alone missed the file (another
+    # node's disk, a shared one that lags) would compute alone and wait in collectives the others never join.
+    cached = json.loads(path.read_text()) if acc.is_main_process and path.is_file() else None
+    values = broadcast_object_list([cached])[0]
+    if values is not None:
         log.info("reference log-probs: reusing %s", path)
-        values = json.loads(path.read_text())
     else:
         log.info("reference log-probs: computing %d rows once (cached in %s)", len(rows), path)
         values = compute_reference(model, rows, collate, batch_size, acc)

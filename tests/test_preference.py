@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import random
+import shutil
 import subprocess
 import sys
 import types
@@ -504,6 +505,27 @@ def test_precomputed_reference_is_computed_once_then_reused(tiny_recipe, pairs_f
     assert len(list((tmp_path / "run2" / "reference").glob("reference-*.json"))) == 1
 
 
+def test_a_base_retrained_into_the_same_folder_is_a_new_reference(tiny_recipe, tiny_model_dir, pairs_file, tmp_path):
+    """The reference cache's key holds the base folder's weight files: DPO after retraining the same folder used to
+    reuse the log-probs of the old weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    base = tmp_path / "base"
+
+    def save_base(seed: int) -> None:
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_dir)).save_pretrained(base)
+
+    save_base(0)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(base)
+    recipe = preference_recipe(tiny_recipe, pairs_file, training__max_steps=1, model__random_init=False)
+    from_disk = [f"model.name_or_path={base}", "checkpoint.resume=none"]
+    train_recipe(recipe, *from_disk)
+    save_base(1)  # retrained: other weights in the same files
+    train_recipe(recipe, *from_disk)
+    assert len(list((tmp_path / "run" / "reference").glob("reference-*.json"))) == 2
+
+
 @pytest.mark.parametrize(
     ("reference", "twin", "peft"),
     [("copy", "precomputed", "none"), ("adapter_disabled", "precomputed", "lora")],
@@ -598,6 +620,35 @@ def test_dpo_on_two_processes_equals_one(tiny_recipe, pairs_file, tmp_path, engi
     assert a.name == b.name
     flat_a, flat_b = ([v for row in json.loads(f.read_text()) for v in row] for f in (a, b))
     assert flat_a == pytest.approx(flat_b, abs=1e-4)
+
+
+# Process 1 does not see the reference cache (another node's disk, a shared one that lags).
+BLIND_TO_THE_CACHE = """
+import os, pathlib, sys
+from llmtune.cli import main
+seen = pathlib.Path.is_file
+pathlib.Path.is_file = lambda p: seen(p) and not (os.environ["RANK"] == "1" and p.name.startswith("reference-"))
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_reference_cache_one_process_cannot_see_is_read_once_and_shared(tiny_recipe, pairs_file, tmp_path):
+    """A cache hit is decided by the main process and its values sent to all: a process that missed the file alone
+    computed alone and waited in collectives the others never joined."""
+    from test_distributed import launch
+
+    recipe = preference_recipe(tiny_recipe, pairs_file, training__micro_batch_size=2, training__max_steps=2)
+    train_recipe(recipe, f"output_dir={tmp_path / 'one'}")
+    shutil.copytree(tmp_path / "one" / "reference", tmp_path / "two" / "reference")
+    entry = tmp_path / "blind_finetune.py"
+    entry.write_text(BLIND_TO_THE_CACHE)
+    cmd = launch(recipe, f"output_dir={tmp_path / 'two'}", script=entry)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "reference log-probs: reusing" in proc.stderr
+    assert run_losses(tmp_path / "two") == pytest.approx(run_losses(tmp_path / "one"), rel=1e-4)
 
 
 def test_pairs_without_trained_tokens_add_nothing(tokenizer, pairs_file):
