@@ -92,8 +92,13 @@ def shard_fsdp2(model: torch.nn.Module, precision: str) -> None:
     blocks = decoder_blocks(model)
     for block in blocks:
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
-    # The root keeps its parameters gathered after forward: backward needs them at once.
-    fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+    # The root keeps its parameters gathered after forward: backward needs them at once. Its float inputs stay as
+    # given: the only ones are a preference batch's reference log-probs, which bf16 would round by up to ~0.5 (a
+    # DPO logit off by beta x that); the blocks still cast what they take in.
+    root_policy = MixedPrecisionPolicy(
+        param_dtype=compute, reduce_dtype=torch.float32 if compute else None, cast_forward_inputs=False
+    )
+    fully_shard(model, mp_policy=root_policy, reshard_after_forward=False)
     log.info("FSDP2: %d %s blocks and the root sharded", len(blocks), type(blocks[0]).__name__)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -649,6 +650,39 @@ def test_a_reference_cache_one_process_cannot_see_is_read_once_and_shared(tiny_r
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "reference log-probs: reusing" in proc.stderr
     assert run_losses(tmp_path / "two") == pytest.approx(run_losses(tmp_path / "one"), rel=1e-4)
+
+
+# Each process writes the dtype of the reference log-probs its PreferenceModel receives to $DTYPES/RANK.
+RECORD_REFERENCE_DTYPE = """
+import os, sys
+from pathlib import Path
+import llmtune.preference as P
+from llmtune.cli import main
+forward = P.PreferenceModel.forward
+def recording(self, *args, **kwargs):
+    if kwargs.get("ref_logps") is not None:
+        Path(os.environ["DTYPES"], os.environ["RANK"]).write_text(str(kwargs["ref_logps"].dtype))
+    return forward(self, *args, **kwargs)
+P.PreferenceModel.forward = recording
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fsdp2_in_bf16_hands_the_reference_log_probs_over_in_fp32(tiny_recipe, pairs_file, tmp_path):
+    """FSDP2's root policy cast every float input to bf16: reference log-probs of -150.37 arrived as -150.0."""
+    from test_distributed import ROOT, launch
+
+    recipe = preference_recipe(tiny_recipe, pairs_file, training__micro_batch_size=2, training__max_steps=1)
+    entry = tmp_path / "dtype_finetune.py"
+    entry.write_text(RECORD_REFERENCE_DTYPE)
+    fsdp2 = ROOT / "recipes" / "accelerate" / "fsdp2.yaml"
+    cmd = launch(recipe, "training.precision=bf16", f"output_dir={tmp_path / 'run'}", config=fsdp2, script=entry)
+    proc = subprocess.run(cmd, env={**os.environ, "DTYPES": str(tmp_path)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "run_summary.json").read_text())["engine"] == "fsdp2"
+    assert [(tmp_path / rank).read_text() for rank in ("0", "1")] == ["torch.float32", "torch.float32"]
 
 
 def test_pairs_without_trained_tokens_add_nothing(tokenizer, pairs_file):
