@@ -177,17 +177,19 @@ def save_final(
     tokenizer,
     output_dir: str | Path,
     *,
+    adapters_only: bool = False,
     save_base: bool = False,
 ) -> Path:
     """Write `final/` atomically: a loadable `save_pretrained` model (or adapter) plus the tokenizer.
 
-    `save_base` also writes the frozen base under `final/base/`: a randomly initialised base exists on
+    `adapters_only`: the model is a peft model whose adapter is what `final/` holds; its frozen base is not
+    gathered. `save_base` also writes the frozen base under `final/base/`: a randomly initialised base exists on
     no disk, and without it an adapter could never be merged.
     """
     out = Path(output_dir)
     tmp = _fresh_tmp(accelerator, out, "final")
     # Gathers full weights from FSDP2 / ZeRO-3 shards; every process must take part.
-    state_dict = parallel.full_state_dict(accelerator, engine, model)
+    state_dict = parallel.full_state_dict(accelerator, engine, model, trainable_only=adapters_only and not save_base)
     if accelerator.is_main_process:
         inner = accelerator.unwrap_model(model).model
         weights = _strip_prefix(state_dict, "model.")

@@ -491,7 +491,10 @@ def fit(run: Run) -> dict[str, Any]:
                 return {"preempted_at_step": step}
             preemption.grace_s = max(preemption.grace_s, 3 * (time.perf_counter() - t0))
     save_base = r.model.random_init and r.peft.method != "none"
-    final = checkpoint.save_final(acc, run.engine, model, run.tokenizer, out, save_base=save_base)
+    adapters = r.peft.method != "none"
+    final = checkpoint.save_final(
+        acc, run.engine, model, run.tokenizer, out, adapters_only=adapters, save_base=save_base
+    )
     peaks = {"peak_memory_bytes": steady_peak, "peak_reserved_bytes": steady_reserved}
     summary = run_summary(run, metrics, peaks, time.perf_counter() - started, step, eval_loss, final)
     metrics.close(summary)
