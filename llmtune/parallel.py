@@ -23,9 +23,9 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from accelerate import Accelerator
@@ -72,6 +72,17 @@ def accelerator_kwargs(engine: Engine, device_type: str) -> dict[str, Any]:
         os.environ["ACCELERATE_USE_FSDP"] = "false"
     # Without cpu=True a CPU-only multi-process launch trains each process alone (platform notes).
     return {"cpu": device_type == "cpu"}
+
+
+T = TypeVar("T")
+
+
+def decided_by_main(acc: Accelerator, decide: Callable[[], T]) -> T:
+    """`decide()` on the main process only, its result sent to every process: a decision that feeds a collective (a
+    plan, a cache hit, a file's content) must not come from each process's own clock or disk."""
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([decide() if acc.is_main_process else None])[0]
 
 
 def shard_fsdp2(model: torch.nn.Module, precision: str) -> None:

@@ -388,13 +388,12 @@ def with_reference(
 ) -> Any:
     """`rows` with a `ref_logps` column, read from `cache_dir` when this model, data and settings were
     computed before (a resume, a second run), else computed once and written there."""
-    from accelerate.utils import broadcast_object_list
+    from llmtune.parallel import decided_by_main
 
     path = cache_dir / f"reference-{reference_key(settings, rows)}.json"
     # The main process's disk decides and all share what it read: a process that alone missed the file (another
     # node's disk, a shared one that lags) would compute alone and wait in collectives the others never join.
-    cached = json.loads(path.read_text()) if acc.is_main_process and path.is_file() else None
-    values = broadcast_object_list([cached])[0]
+    values = decided_by_main(acc, lambda: json.loads(path.read_text()) if path.is_file() else None)
     if values is not None:
         log.info("reference log-probs: reusing %s", path)
     else:

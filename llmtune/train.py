@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import set_seed
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from llmtune import checkpoint, parallel, preference
@@ -128,17 +128,17 @@ def make_plan(
         precision=precision,
         trained_fraction=trained_fraction,
     )
-    # The rates are timed on one process's clock and rank the candidates: each process timing its own could choose
-    # another plan (a loaded host's clock differs) and wait in collectives the others never join. The main process
-    # plans; every process trains its plan.
-    plan = None
-    if acc.is_main_process:
+
+    def plan() -> BatchPlan:
         # Planning runs real ops on random tensors (the rates) and must leave the run's random state as it found
         # it: the model's initialisation and the data order come after it.
         with torch.random.fork_rng(devices=[acc.device] if acc.device.type == "cuda" else []):
             rates = plan_rates(device, precision, config)
-            plan = plan_for_budget(recipe, config, settings, budget_bytes=budget, num_processes=n, rates=rates)
-    return broadcast_object_list([plan])[0]
+            return plan_for_budget(recipe, config, settings, budget_bytes=budget, num_processes=n, rates=rates)
+
+    # The rates are timed on one process's clock and rank the candidates: each process timing its own could choose
+    # another plan (a loaded host's clock differs) and wait in collectives the others never join.
+    return parallel.decided_by_main(acc, plan)
 
 
 def shrink_plan(plan: BatchPlan, per_process: int, at_most: int | None = None) -> BatchPlan:
@@ -256,7 +256,7 @@ def build(recipe: Recipe) -> Run:
     if resume_from is not None:
         resume(run, resume_from)
     # One process's disk decides (another node's may not show the file yet): all must train the same micro-batch.
-    limit = broadcast_object_list([out_of_memory_limit(recipe.output_dir) if accelerator.is_main_process else None])[0]
+    limit = parallel.decided_by_main(accelerator, lambda: out_of_memory_limit(recipe.output_dir))
     if limit is not None and limit < run.plan.micro_batch_size:
         run.plan = shrink_plan(run.plan, run.plan.micro_batch_size * run.plan.grad_accum_steps, at_most=limit)
         log.info("an earlier run stopped out of memory: micro-batch %d", run.plan.micro_batch_size)
