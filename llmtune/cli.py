@@ -66,7 +66,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     from llmtune.train import EXIT_PREEMPTED, train
 
     summary = train(load_recipe(args.recipe, args.overrides))
+    end_process_group()
     return EXIT_PREEMPTED if "preempted_at_step" in summary else 0
+
+
+def end_process_group() -> None:
+    """The launch's process group outlives each run (a launch may train several recipes); the process ends it,
+    as torch asks before exit."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def cmd_data(args: argparse.Namespace) -> int:

@@ -208,4 +208,7 @@ class MetricsLogger:
         if summary is not None and self.main:
             path = Path(self._file.name).with_name("run_summary.json")
             path.write_text(json.dumps(summary, indent=2))
-        self.acc.end_training()
+        # Not `end_training()`, which also ends the process group: the group belongs to the launch, and a launch
+        # may train several recipes (llmtune.cli ends it).
+        for tracker in self.acc.trackers:
+            tracker.finish()

@@ -41,6 +41,9 @@ SHARDING: dict[str, str] = {"ddp": "none", "fsdp2": "fsdp", "zero2": "zero2", "z
 DCP_DIR = "sharded"  # FSDP2 checkpoints: model and optimizer shards, one file per process
 
 
+_fsdp_hidden = False  # this process set ACCELERATE_USE_FSDP to false after reading FSDP2 in it (accelerator_kwargs)
+
+
 def launched_engine() -> Engine:
     """The engine the launcher's Accelerate config asks for (a plain `python` run is "ddp", one process)."""
     env = os.environ
@@ -49,7 +52,8 @@ def launched_engine() -> Engine:
         if stage not in ("2", "3"):
             raise SetupError(f"DeepSpeed zero_stage {stage or '(unset)'}: llmtune runs ZeRO stages 2 and 3")
         return "zero2" if stage == "2" else "zero3"
-    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+    fsdp = env.get("ACCELERATE_USE_FSDP", "").lower()
+    if fsdp == "true" or (fsdp == "false" and _fsdp_hidden):
         if env.get("FSDP_VERSION", "1") != "2":
             raise SetupError("the launcher's FSDP config asks for FSDP1; llmtune runs FSDP2: set fsdp_version: 2")
         for key, why in (
@@ -68,10 +72,26 @@ def accelerator_kwargs(engine: Engine, device_type: str) -> dict[str, Any]:
         # DeepSpeed on CPUs: gloo, and no cpu=True (with it Accelerate drops DeepSpeed; platform notes).
         return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]} if device_type == "cpu" else {}
     if engine == "fsdp2":
-        # Sharding is applied in `shard_fsdp2`; Accelerate must only form the group (MULTI_CPU / MULTI_GPU).
-        os.environ["ACCELERATE_USE_FSDP"] = "false"
+        # Sharding is applied in `shard_fsdp2`; Accelerate must only form the group (MULTI_CPU / MULTI_GPU), and
+        # transformers must load the whole model on every process. The next run of the process (a launch may train
+        # several) still reads FSDP2 from it (launched_engine).
+        global _fsdp_hidden
+        os.environ["ACCELERATE_USE_FSDP"], _fsdp_hidden = "false", True
     # Without cpu=True a CPU-only multi-process launch trains each process alone (platform notes).
     return {"cpu": device_type == "cpu"}
+
+
+def deepspeed_over_gloo() -> None:
+    """On CPUs, DeepSpeed's collectives go through gloo, as DDP's and FSDP2's do, without its shared-memory kernel.
+
+    DeepSpeed compiles that kernel with g++ when it first forms the group (35 s on a 2-core native-bf16 EPYC, ~3 min
+    on an AVX2 one; again whenever the torch version changes) to speed up all-reduce on a multi-core host: no gain
+    for the toy CPU runs that test an engine's path, and a compiler a user's laptop may lack. Marking the op
+    incompatible is how DeepSpeed itself skips it (`build_shm_op`); its probe result is one cached dict.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 T = TypeVar("T")

@@ -169,6 +169,8 @@ def make_accelerator(recipe: Recipe, engine: parallel.Engine) -> tuple[Accelerat
         # Accelerate and transformers import DeepSpeed wherever it is installed (unwrapping a model to save it),
         # which then warns that it found no GPU ("Setting accelerator to CPU") unless told it is on a CPU.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if parallel.is_deepspeed(engine):
+            parallel.deepspeed_over_gloo()
     precision, why = choose_precision(recipe.training.precision, device_type)
     mixed = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "no")
     launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")

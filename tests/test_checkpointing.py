@@ -21,16 +21,17 @@ import collections
 import contextlib
 import functools
 import json
-import os
 import subprocess
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
 import test_scale_out
 import torch
+from test_distributed import RUNS
 from test_memory import real_batch, tiny_config
-from test_scale_out import STEPS, assert_same_losses, final_tensors, launch, write_recipe
+from test_scale_out import STEPS, assert_same_losses, final_tensors, launch, then, write_recipe
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -272,11 +273,11 @@ def test_compiled_blocks_with_partial_checkpointing_give_the_eager_losses_and_gr
 
 model_dir = test_scale_out.model_dir  # the fixture: conftest's tiny Llama (2 layers) with saved weights
 
-# Counts, per process, the layers checkpointed and how often their forward ran (forward + recomputation).
-COUNTING_ENTRY = """
-import atexit, json, os, sys
+# Counts, per process and run, the layers checkpointed and how often their forward ran (forward + recomputation).
+COUNTING = """
+import json, os
+from pathlib import Path
 import transformers.modeling_utils
-from llmtune.cli import main
 
 counts = {"checkpointed": 0, "ran": 0}
 real = transformers.modeling_utils.checkpoint
@@ -287,9 +288,14 @@ def checkpoint(function, *args, **kwargs):
         return function(*a, **k)
     return real(layer, *args, **kwargs)
 transformers.modeling_utils.checkpoint = checkpoint
-atexit.register(lambda: open(os.environ["COUNTS"] + os.environ["RANK"], "w").write(json.dumps(counts)))
-sys.exit(main(["train", *sys.argv[1:]]))
+def after_run(recipe):
+    Path(recipe.output_dir, "counts-" + os.environ["RANK"]).write_text(json.dumps(counts))
+    counts.update(checkpointed=0, ran=0)
 """
+VALUES = {
+    "every2": ("{every_n_layers: 2}", Checkpointing(2)),
+    "selective": ("selective", Checkpointing(1, selective=True)),
+}
 
 
 @pytest.fixture(scope="module")
@@ -302,25 +308,39 @@ def unchecked(tmp_path_factory, model_dir, tiny_data) -> Path:
     return folder / "run"
 
 
+@pytest.fixture(scope="module")
+def launched_checkpointing(tmp_path_factory, model_dir, tiny_data) -> Callable[[str], Path]:
+    """engine -> the folder of its one launch (made on first use), which trains a run per entry of VALUES."""
+    done: dict[str, Path] = {}
+
+    def get(engine: str) -> Path:
+        if engine not in done:
+            folder = tmp_path_factory.mktemp(f"checkpointed-{engine}")
+            recipe = write_recipe(folder, model_dir, tiny_data, "none", engine)
+            (entry := folder / "counting_entry.py").write_text(COUNTING + RUNS)
+            every2, selective = (f"training.gradient_checkpointing={value}" for value, _ in VALUES.values())
+            more = then(recipe, folder / "selective", selective)
+            proc = subprocess.run(
+                launch(recipe, folder / "every2", engine, every2, *more, script=entry),
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            done[engine] = folder
+        return done[engine]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "value,spec",
-    [("{every_n_layers: 2}", Checkpointing(2)), ("selective", Checkpointing(1, selective=True))],
-    ids=["every2", "selective"],
-)
+@pytest.mark.parametrize("name", list(VALUES))
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_two_processes_checkpointing_partially_or_selectively_equal_one_without(
-    engine, value, spec, unchecked, model_dir, tiny_data, tmp_path
+    engine, name, unchecked, launched_checkpointing, model_dir
 ):
-    recipe = write_recipe(tmp_path, model_dir, tiny_data, "none", engine)
-    run = tmp_path / "run"
-    entry = tmp_path / "counting_entry.py"
-    entry.write_text(COUNTING_ENTRY)
-    cmd = launch(recipe, run, engine, f"training.gradient_checkpointing={value}", script=entry)
-    env = {**os.environ, "COUNTS": str(tmp_path / "counts-")}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run, spec = launched_checkpointing(engine) / name, VALUES[name][1]
     summary = json.loads((run / "run_summary.json").read_text())
     assert (summary["engine"], summary["num_processes"], summary["grad_accum_steps"]) == (engine, 2, 2)
     assert summary["checkpointing"] == asdict(spec)
@@ -328,7 +348,7 @@ def test_two_processes_checkpointing_partially_or_selectively_equal_one_without(
     # backward: checkpointing happened under DDP and under FSDP2's hooks, and on the layers the recipe names.
     layers = len(range(0, AutoConfig.from_pretrained(model_dir).num_hidden_layers, spec.every_n_layers))
     for rank in (0, 1):
-        counts = json.loads((tmp_path / f"counts-{rank}").read_text())
+        counts = json.loads((run / f"counts-{rank}").read_text())
         assert counts == {"checkpointed": STEPS * 2 * layers, "ran": STEPS * 2 * layers * 2}, rank
     assert_same_losses(run, unchecked)  # to 1e-4, as every 2-process test: gloo sums gradients in another order
     got, want = final_tensors(run), final_tensors(unchecked)

@@ -17,11 +17,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
-from test_distributed import free_port, losses
+from test_distributed import RUNS, free_port, losses
 from test_resilience import PAUSING_ENTRY
 
 from llmtune import checkpoint
@@ -124,98 +126,145 @@ def final_tensors(run: Path) -> dict:
     return load_file(file)
 
 
+# The fsdp2 launch's entry: what FSDP2 gathered into a full state dict (final/), per process, in each run's folder.
+RECORD_GATHERED = """
+import json, os
+from pathlib import Path
+import torch.distributed.checkpoint.state_dict as dcp_state
+gather, gathered = dcp_state.get_model_state_dict, []
+def recording(model, *args, **kwargs):
+    state = gather(model, *args, **kwargs)
+    if kwargs["options"].full_state_dict:
+        gathered.extend(state)
+    return state
+dcp_state.get_model_state_dict = recording
+def after_run(recipe):
+    Path(recipe.output_dir, "gathered-" + os.environ["RANK"]).write_text(json.dumps(sorted(gathered)))
+    gathered.clear()
+"""
+
+
+@dataclass
+class Launch:
+    runs: dict[str, Path]  # run name -> its folder
+    output: str  # the launch's stdout and stderr
+
+
+def then(recipe: Path, out: Path, *extra: str) -> list[str]:
+    """The arguments of one more run in a launch of the RUNS entry."""
+    return ["+", "--recipe", str(recipe), f"output_dir={out}", *extra]
+
+
+def launch_engine(folder: Path, engine: str, model_dir: Path, config_only: Path, data: Path) -> Launch:
+    """One launch of the engine's Accelerate config training, in turn, every run the tests below check: full
+    fine-tuning and LoRA; under FSDP2 bf16 too; under ZeRO-3 a random init; under DDP LoRA in bf16."""
+    runs = {method: (write_recipe(folder / method, model_dir, data, method, engine), []) for method in ("none", "lora")}
+    if engine == "fsdp2":
+        runs["bf16"] = (runs["none"][0], ["training.precision=bf16"])
+    if engine == "zero3":
+        runs["random_init"] = (
+            write_recipe(folder / "init", config_only, data, "none", engine),
+            ["model.random_init=true"],
+        )
+    if engine == "ddp":
+        runs["lora-bf16"] = (runs["lora"][0], ["training.precision=bf16", "training.max_steps=6"])
+    entry = folder / "entry.py"
+    entry.write_text((RECORD_GATHERED if engine == "fsdp2" else "") + RUNS)
+    (first, (recipe, extra)), *rest = runs.items()
+    more = [arg for name, (r, e) in rest for arg in then(r, folder / name, *e)]
+    cmd = launch(recipe, folder / first, engine, *extra, *more, script=entry)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return Launch({name: folder / name for name in runs}, proc.stdout + proc.stderr)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, model_dir, tiny_model_dir, tiny_data) -> Callable[[str], Launch]:
+    """engine -> its one launch, made on first use and shared by the tests of this module."""
+    done: dict[str, Launch] = {}
+
+    def get(engine: str) -> Launch:
+        if engine not in done:
+            folder = tmp_path_factory.mktemp(engine)
+            done[engine] = launch_engine(folder, engine, model_dir, tiny_model_dir, tiny_data)
+        return done[engine]
+
+    return get
+
+
 @pytest.mark.parametrize("method", ["none", "lora"])
 @pytest.mark.parametrize(
     "engine",
     ["ddp", "fsdp2", pytest.param("zero2", marks=needs_deepspeed), pytest.param("zero3", marks=needs_deepspeed)],
 )
-def test_two_processes_equal_one(engine, method, reference, model_dir, tiny_data, tmp_path):
-    recipe = write_recipe(tmp_path, model_dir, tiny_data, method, engine)
-    proc = subprocess.run(launch(recipe, tmp_path / "run", engine), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def test_two_processes_equal_one(engine, method, reference, launched):
+    run = launched(engine).runs[method]
     ref_dir, ref = reference[method]
-    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
+    summary = json.loads((run / "run_summary.json").read_text())
     assert (summary["engine"], summary["num_processes"], summary["grad_accum_steps"]) == (engine, 2, 2)
-    assert_same_losses(tmp_path / "run", ref_dir)
+    assert_same_losses(run, ref_dir)
     # Exactly one update per global batch, counted in the optimizer's own state (through DeepSpeed's wrappers).
     assert summary["optimizer_updates"] == ref["optimizer_updates"] == STEPS
     share = summary["local_parameter_bytes"] / ref["local_parameter_bytes"]
     assert share == pytest.approx(0.5 if engine in ("fsdp2", "zero3") else 1.0, abs=0.03)
     # final/ is one consolidated model (or adapter) with the same weights as the one-process run's.
-    got, want = final_tensors(tmp_path / "run"), final_tensors(ref_dir)
+    got, want = final_tensors(run), final_tensors(ref_dir)
     assert got.keys() == want.keys()
     for name, tensor in want.items():
         assert got[name].float().sub(tensor.float()).abs().max() < 1e-4, name
     # Periodic checkpoints were written under this engine (LoRA: the adapters only).
-    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path / "run")] == ["step-000002", "step-000004"]
-
-
-# Each process writes the names of what FSDP2 gathered into a full state dict (final/) to $GATHERED/RANK.
-RECORD_GATHERED = """
-import json, os, sys
-from pathlib import Path
-import torch.distributed.checkpoint.state_dict as dcp_state
-from llmtune.cli import main
-gather = dcp_state.get_model_state_dict
-def recording(model, *args, **kwargs):
-    state = gather(model, *args, **kwargs)
-    if kwargs["options"].full_state_dict:
-        Path(os.environ["GATHERED"], os.environ["RANK"]).write_text(json.dumps(sorted(state)))
-    return state
-dcp_state.get_model_state_dict = recording
-sys.exit(main(["train", *sys.argv[1:]]))
-"""
-
-
-def test_fsdp2_saves_lora_adapters_without_gathering_the_frozen_base(model_dir, tiny_data, tmp_path):
-    """final/ of a LoRA run under FSDP2 holds the adapters: only they are gathered (a 70B base gathered whole to
-    save them took ~140 GB of host RAM). test_two_processes_equal_one checks the saved adapters' values."""
-    recipe = write_recipe(tmp_path, model_dir, tiny_data, "lora", "fsdp2")
-    entry = tmp_path / "gathered_finetune.py"
-    entry.write_text(RECORD_GATHERED)
-    cmd, env = launch(recipe, tmp_path / "run", "fsdp2", script=entry), {**os.environ, "GATHERED": str(tmp_path)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    gathered = {rank: json.loads((tmp_path / rank).read_text()) for rank in ("0", "1")}
-    assert gathered["0"] and not gathered["1"]  # cpu_offload: the main process receives it, the other nothing
-    assert all("lora_" in name for name in gathered["0"]), gathered["0"]
-    assert (tmp_path / "run" / "final" / "adapter_model.safetensors").is_file()
+    assert [p.name for p in checkpoint.complete_checkpoints(run)] == ["step-000002", "step-000004"]
 
 
 @needs_deepspeed
-def test_zero3_starts_a_random_init_from_the_seeds_weights(tiny_model_dir, tiny_data, tmp_path):
+@pytest.mark.parametrize("engine", ["zero2", "zero3"])
+def test_deepspeed_on_a_cpu_compiles_nothing(engine, launched):
+    """DeepSpeed on CPUs all-reduces through gloo: its shared-memory kernel cost a g++ build on a launch's first
+    run (35 s to 3 min, again after each torch upgrade) to speed up toy runs."""
+    assert "shm_comm" not in launched(engine).output
+
+
+def test_fsdp2_saves_lora_adapters_without_gathering_the_frozen_base(launched):
+    """final/ of a LoRA run under FSDP2 holds the adapters: only they are gathered (a 70B base gathered whole to
+    save them took ~140 GB of host RAM). test_two_processes_equal_one checks the saved adapters' values."""
+    run = launched("fsdp2").runs["lora"]
+    gathered = {rank: json.loads((run / f"gathered-{rank}").read_text()) for rank in ("0", "1")}
+    assert gathered["0"] and not gathered["1"]  # cpu_offload: the main process receives it, the other nothing
+    assert all("lora_" in name for name in gathered["0"]), gathered["0"]
+    assert (run / "final" / "adapter_model.safetensors").is_file()
+
+
+@needs_deepspeed
+def test_zero3_starts_a_random_init_from_the_seeds_weights(launched, tmp_path):
     """ZeRO-3's zero3_init_flag initialised a model built from its config partition by partition: other weights
     than the seed gives one process and every other engine (first loss 5.651 against 5.7185 on the quickstart)."""
-    recipe = write_recipe(tmp_path, tiny_model_dir, tiny_data, "none", "zero3")
-    random_init = ["model.random_init=true"]
-    train(load_recipe(recipe, [*random_init, f"output_dir={tmp_path / 'one'}"]))
-    proc = subprocess.run(
-        launch(recipe, tmp_path / "run", "zero3", *random_init), capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert_same_losses(tmp_path / "run", tmp_path / "one")
+    run = launched("zero3").runs["random_init"]
+    train(load_recipe(run / "recipe.yaml", [f"output_dir={tmp_path / 'one'}"]))
+    assert_same_losses(run, tmp_path / "one")
 
 
-def test_fsdp2_bf16_through_its_mixed_precision_policy(reference, model_dir, tiny_data, tmp_path):
+def test_fsdp2_bf16_through_its_mixed_precision_policy(reference, launched, tmp_path):
     """bf16 under FSDP2 is FSDP2's MixedPrecisionPolicy (bf16 compute from gathered shards, fp32 reduction), not
     autocast: it must still train as one process under autocast does, to bf16's precision."""
-    recipe = write_recipe(tmp_path, model_dir, tiny_data, "none", "fsdp2")
-    one = train(load_recipe(recipe, ["training.precision=bf16", f"output_dir={tmp_path / 'one'}"]))
-    proc = subprocess.run(
-        launch(recipe, tmp_path / "run", "fsdp2", "training.precision=bf16"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
+    run = launched("fsdp2").runs["bf16"]
+    one = train(load_recipe(run / "recipe.yaml", [f"output_dir={tmp_path / 'one'}"]))
+    summary = json.loads((run / "run_summary.json").read_text())
     assert (summary["engine"], summary["precision"], one["precision"]) == ("fsdp2", "bf16", "bf16")
-    got, want = losses(tmp_path / "run"), losses(tmp_path / "one")
+    got, want = losses(run), losses(tmp_path / "one")
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-3), step
     fp32 = losses(reference["none"][0])  # and it did compute in bf16: the losses are not fp32's
     assert max(abs(got[step] - fp32[step]) for step in fp32) > 1e-5
+
+
+def test_lora_with_checkpointing_in_bf16_under_ddp(launched):
+    run = launched("ddp").runs["lora-bf16"]
+    summary = json.loads((run / "run_summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["precision"] == "bf16" and summary["gradient_checkpointing"]
+    loss = losses(run)
+    assert loss[6] < loss[1]
+    assert (run / "final" / "adapter_model.safetensors").exists()
 
 
 def kill_after_checkpoint(cmd: list[str], ready: Path, timeout: float = 300) -> None:
@@ -306,75 +355,71 @@ def test_out_of_memory_on_one_process_stops_all_then_resumes_smaller(
         assert_same_losses(run, reference["none"][0])
 
 
-# Each process writes the plan it trains to $PLANS/RANK.json.
+# Each process writes the plan it trains to plan-RANK.json in the run's folder.
 RECORD_PLANS = """
-import json, os, sys
+import json, os
 from pathlib import Path
 import llmtune.train
-from llmtune.cli import main
 fit = llmtune.train.fit
 def record_plan(run):
-    Path(os.environ["PLANS"], os.environ["RANK"] + ".json").write_text(json.dumps(run.plan.to_dict()))
+    Path(run.recipe.output_dir).mkdir(parents=True, exist_ok=True)
+    Path(run.recipe.output_dir, f"plan-{os.environ['RANK']}.json").write_text(json.dumps(run.plan.to_dict()))
     return fit(run)
 llmtune.train.fit = record_plan
 """
-SKEWED_CLOCKS_ENTRY = (
-    RECORD_PLANS
-    + """
-import llmtune.memory.speed
-from llmtune.memory.speed import Rates
 # Two clocks that rank the candidates in opposite orders: on rank 0 small micro-batches run fastest (the FLOP rate
 # falls with the rows), on rank 1 large ones (every op costs a second), as a loaded host and an idle one disagree.
+SKEWED_CLOCKS = """
+import llmtune.memory.speed
+from llmtune.memory.speed import Rates
 rates = {
     "0": Rates(1e11, 2e10, 1e-9, "rank 0's clock", flops_by_rows=((48, 1e12), (192, 1e8))),
     "1": Rates(1e11, 2e10, 1.0, "rank 1's clock"),
 }[os.environ["RANK"]]
 llmtune.memory.speed.measure_rates = lambda *args, **kwargs: rates
-sys.exit(main(["train", *sys.argv[1:]]))
 """
-)
 # Process 1 does not see the out-of-memory file (another node's disk, a shared one that lags).
-UNSEEN_FILE_ENTRY = (
-    RECORD_PLANS
-    + """
+UNSEEN_FILE = """
 import pathlib
 seen = pathlib.Path.is_file
 pathlib.Path.is_file = lambda path: seen(path) and not (os.environ["RANK"] == "1" and path.name == "out_of_memory.json")
-sys.exit(main(["train", *sys.argv[1:]]))
 """
-)
 
 
-def test_processes_whose_clocks_disagree_train_one_plan(model_dir, tiny_data, tmp_path):
+@pytest.fixture(scope="module")
+def disagreeing(tmp_path_factory, model_dir, tiny_data) -> Path:
+    """One DDP launch whose processes disagree (skewed clocks, an unseen file), training two runs: "auto", planned
+    by `auto`, and "oom_file", whose folder holds an earlier run's out-of-memory file. Each records its plans."""
+    folder = tmp_path_factory.mktemp("disagreeing")
+    recipe = write_recipe(folder, model_dir, tiny_data, "none")
+    (folder / "oom_file").mkdir()
+    (folder / "oom_file" / OOM_FILE).write_text(json.dumps({"micro_batch_size": 1, "where": "forward/backward"}))
+    entry = folder / "disagreeing_entry.py"
+    entry.write_text(RECORD_PLANS + SKEWED_CLOCKS + UNSEEN_FILE + RUNS)
+    auto = ["training.micro_batch_size=auto", "training.gradient_checkpointing=auto"]
+    cmd = launch(recipe, folder / "auto", "ddp", *auto, *then(recipe, folder / "oom_file"), script=entry)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return folder
+
+
+def plans(run: Path) -> list[dict]:
+    return [json.loads((run / f"plan-{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_processes_whose_clocks_disagree_train_one_plan(disagreeing):
     """`auto` plans rank candidates by timings that differ between processes: each must train the plan the main
     process chose (planning on each process's own clock trained two plans, and half such launches hung)."""
-    recipe = write_recipe(tmp_path, model_dir, tiny_data, "none")
-    entry = tmp_path / "skewed_entry.py"
-    entry.write_text(SKEWED_CLOCKS_ENTRY)
-    run = tmp_path / "run"
-    auto = ["training.micro_batch_size=auto", "training.gradient_checkpointing=auto"]
-    cmd, env = launch(recipe, run, "ddp", *auto, script=entry), {**os.environ, "PLANS": str(tmp_path)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    plans = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
-    assert plans[0] == plans[1] and plans[0]["micro_batch_size"] == 1, plans  # rank 0's clock: micro-batch 1
-    assert "rank 0's clock" in json.dumps(plans[0])
+    planned = plans(disagreeing / "auto")
+    assert planned[0] == planned[1] and planned[0]["micro_batch_size"] == 1, planned  # rank 0's clock: micro 1
+    assert "rank 0's clock" in json.dumps(planned[0])
 
 
-def test_an_out_of_memory_file_one_process_cannot_see_shrinks_every_process(model_dir, tiny_data, tmp_path):
+def test_an_out_of_memory_file_one_process_cannot_see_shrinks_every_process(disagreeing):
     """The micro-batch an earlier out-of-memory stop asked for is read once and shared: a process whose disk does not
     show the file trains the same plan as the one that reads it."""
-    recipe = write_recipe(tmp_path, model_dir, tiny_data, "none")
-    entry = tmp_path / "unseen_entry.py"
-    entry.write_text(UNSEEN_FILE_ENTRY)
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / OOM_FILE).write_text(json.dumps({"micro_batch_size": 1, "where": "forward/backward"}))
-    cmd, env = launch(recipe, run, "ddp", script=entry), {**os.environ, "PLANS": str(tmp_path)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    plans = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
-    assert [(p["micro_batch_size"], p["grad_accum_steps"]) for p in plans] == [(1, 4), (1, 4)], plans
+    planned = plans(disagreeing / "oom_file")
+    assert [(p["micro_batch_size"], p["grad_accum_steps"]) for p in planned] == [(1, 4), (1, 4)], planned
 
 
 def test_two_machines_on_localhost_train_together(reference, model_dir, tiny_data, tmp_path):
