@@ -105,6 +105,15 @@ def decided_by_main(acc: Accelerator, decide: Callable[[], T]) -> T:
     return broadcast_object_list([decide() if acc.is_main_process else None])[0]
 
 
+def weights_dtype(engine: Engine, precision: str) -> torch.dtype | None:
+    """The dtype the engine casts the weights' parameters to for mixed precision (FSDP2's MixedPrecisionPolicy for its
+    forward, DeepSpeed at `prepare`; both leave buffers such as rotary tables as they are); None where the weights
+    compute as stored (DDP: autocast casts op by op; bf16-true and fp32)."""
+    if engine == "ddp":
+        return None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
 def shard_fsdp2(model: torch.nn.Module, precision: str) -> None:
     """`fully_shard` every decoder block, then the root (in place); before the optimizer is built.
 
@@ -116,7 +125,7 @@ def shard_fsdp2(model: torch.nn.Module, precision: str) -> None:
     if precision == "fp16":
         # FSDP2 with fp16 needs a sharded loss scaler that Accelerate's GradScaler is not.
         raise SetupError("training.precision=fp16 under FSDP2 is not supported; use bf16 (or fp32)")
-    compute = {"bf16": torch.bfloat16}.get(precision)
+    compute = weights_dtype("fsdp2", precision)
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
     # fsdp_reshard_after_forward: false keeps each block gathered from forward to backward (ZeRO-2 like).
     reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() != "false"

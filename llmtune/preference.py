@@ -13,7 +13,7 @@ What differs from SFT lives here, so the loop (llmtune.train) stays one loop:
   logits (backward recomputes each chunk's logits: one extra lm_head matmul per chunk).
 * the losses (`pair_losses`) from summed log-probabilities and token counts, per pair;
 * the reference: under LoRA the same model with its adapters disabled, a frozen copy, or log-probabilities
-  computed once before training (`precompute_reference`) and cached in output_dir.
+  computed once before training through the prepared module (`compute_reference`) and cached in output_dir.
 
 `PreferenceModel` is the module the loop (and DDP/FSDP) wraps; its forward returns
 [loss summed over pairs, chosen rewards summed, rejected rewards summed, correctly ordered pairs], only the
@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -331,7 +332,9 @@ class PreferenceModel(torch.nn.Module):
             reference = self._reference_model[0] if self.reference == "copy" else self.model
             return sequence_logps(reference, self.impl, self.chunk_size, batch)[0]
 
-    def forward(self, **batch: Tensor) -> Tensor:
+    def forward(self, reference_only: bool = False, **batch: Tensor) -> Tensor:
+        if reference_only:  # compute_reference: through the prepared module, as the policy's own forward runs
+            return self.reference_logps(batch)
         ref = batch.get("ref_logps")
         if self.reference in ("adapter_disabled", "copy"):
             # The reference forward runs first and under no_grad: its activations are freed before the
@@ -363,28 +366,36 @@ def reference_key(settings: dict[str, Any], rows: Any) -> str:
 
 
 @torch.no_grad()
-def compute_reference(model: PreferenceModel, rows: Any, collate, batch_size: int, acc: Any) -> list[list[float]]:
+def compute_reference(model: torch.nn.Module, rows: Any, collate, batch_size: int, acc: Any) -> list[list[float]]:
     """Reference log-probs of every pair of every row ([c0, r0, c1, r1, ...] per row), each process its share
-    (rows rank, rank + W, ...), summed over processes."""
+    (rows rank, rank + W, ...), summed over processes.
+
+    `model` is the prepared module (DDP, a DeepSpeed engine or an FSDP2 root around a `PreferenceModel`) before its
+    first update: the reference is then the policy's own step-0 forward, on the training device, at the policy's
+    precision (autocast, FSDP2's or DeepSpeed's bf16 weights) and with ZeRO-3's partitions gathered. Those forwards
+    are collectives (DDP's buffer broadcast, the all-gathers), so every process runs as many: a share one row
+    shorter runs a filler batch whose values are dropped."""
     counts = [len(sequences_of(r)) // 2 for r in rows.select_columns(["position_ids"])]
     offsets = np.concatenate([[0], np.cumsum(counts)])
     values = torch.zeros(int(offsets[-1]), 2, device=acc.device)
     mine = list(range(acc.process_index, len(rows), acc.num_processes))
+    batches = math.ceil(math.ceil(len(rows) / acc.num_processes) / batch_size)
     was_training = model.training
     model.eval()
-    for start in range(0, len(mine), batch_size):
+    for start in range(0, batches * batch_size, batch_size):
         index = mine[start : start + batch_size]
-        batch = {k: v.to(acc.device) for k, v in collate(rows.select(index).to_list()).items()}
-        logps = model.reference_logps(batch)
-        at = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in index]).to(acc.device)
-        values.index_copy_(0, at, logps.float())
+        batch = {k: v.to(acc.device) for k, v in collate(rows.select(index or [0]).to_list()).items()}
+        logps = model(**batch, reference_only=True)
+        if index:
+            at = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in index]).to(acc.device)
+            values.index_copy_(0, at, logps.float())
     model.train(was_training)
     values = acc.reduce(values, reduction="sum").cpu()
     return [values[offsets[i] : offsets[i + 1]].reshape(-1).tolist() for i in range(len(rows))]
 
 
 def with_reference(
-    model: PreferenceModel, rows: Any, collate, batch_size: int, acc: Any, cache_dir: Path, settings: dict[str, Any]
+    model: torch.nn.Module, rows: Any, collate, batch_size: int, acc: Any, cache_dir: Path, settings: dict[str, Any]
 ) -> Any:
     """`rows` with a `ref_logps` column, read from `cache_dir` when this model, data and settings were
     computed before (a resume, a second run), else computed once and written there."""

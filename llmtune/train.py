@@ -162,6 +162,7 @@ def make_accelerator(recipe: Recipe, engine: parallel.Engine) -> tuple[Accelerat
     """Accelerator with the recipe's precision (and why that one); the recipe wins over an Accelerate config."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     check_requirements(recipe, device_type)
+    check_engine(recipe, engine)
     check_trackers(recipe.logging.report_to)
     if device_type == "cuda" and expandable_segments(recipe):
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")  # before the first allocation
@@ -183,16 +184,30 @@ def make_accelerator(recipe: Recipe, engine: parallel.Engine) -> tuple[Accelerat
         project_dir=recipe.output_dir,
         **parallel.accelerator_kwargs(engine, device_type),
     )
-    if engine == "zero3" and recipe.peft.method != "none" and recipe.training.gradient_checkpointing:
+    if launcher and launcher != mixed:
+        log.info("the launcher asked for mixed_precision=%s; the recipe's precision %s wins", launcher, precision)
+    return accelerator, precision, why
+
+
+def check_engine(recipe: Recipe, engine: parallel.Engine) -> None:
+    """Refuse, before the accelerator and the model, what the launcher's engine cannot run."""
+    if engine != "zero3":
+        return
+    if recipe.peft.method != "none" and recipe.training.gradient_checkpointing:
         # ZeRO-3 frees partitioned weights that non-reentrant recomputation then needs (a known
         # DeepSpeed/peft failure); refuse it here rather than at the first backward.
         raise SetupError(
             "LoRA + gradient checkpointing under DeepSpeed ZeRO-3 fails with non-reentrant checkpointing."
             " Use recipes/accelerate/fsdp2.yaml or deepspeed_zero2.yaml, or turn checkpointing off."
         )
-    if launcher and launcher != mixed:
-        log.info("the launcher asked for mixed_precision=%s; the recipe's precision %s wins", launcher, precision)
-    return accelerator, precision, why
+    if preference.resolve_reference(recipe.training.objective, recipe.preference, recipe.peft.method) == "copy":
+        # The copy would be a second whole model on every process, outside the engine: the deepcopy of a model loaded
+        # partition by partition (zero3_init_flag) holds empty tensors, and nothing gathers them for its forward.
+        raise SetupError(
+            "preference.reference=copy cannot run under DeepSpeed ZeRO-3 (the copy would hold empty partitions); use"
+            " preference.reference=precomputed (the same reference, computed through the sharded model) or"
+            " recipes/accelerate/deepspeed_zero2.yaml"
+        )
 
 
 def build(recipe: Recipe) -> Run:
@@ -218,9 +233,8 @@ def build(recipe: Recipe) -> Run:
     model = load_model(recipe, precision, config, accelerator.device, checkpointing=plan.checkpointing)
     trainable, total = count_parameters(model)
     flops = model_flops(model)
-    wrapped = training_module(recipe, model, loss_impl)
-    if getattr(wrapped, "reference", None) == "precomputed":
-        data = with_reference(recipe, wrapped, data, plan, accelerator, tokenizer, precision)
+    wrapped = training_module(recipe, model, loss_impl, accelerator.device, parallel.weights_dtype(engine, precision))
+    precomputed = getattr(wrapped, "reference", None) == "precomputed"
     if engine == "fsdp2":
         parallel.shard_fsdp2(wrapped, precision)  # before the optimizer, which must hold the shards
     optimizer = make_optimizer(wrapped, recipe, accelerator.device)
@@ -236,6 +250,8 @@ def build(recipe: Recipe) -> Run:
         # FSDP2 is applied above; Accelerate would wrap the sharded model in DDP on top. Its model and
         # optimizer are checkpointed with torch.distributed.checkpoint (checkpoint.save_checkpoint).
         wrapped, optimizer = accelerator.prepare(wrapped, optimizer)
+    if precomputed:  # through the prepared model, before any update or resume (preference.compute_reference)
+        data = with_reference(recipe, loss_impl, wrapped, data, plan, accelerator, tokenizer, precision)
     if recipe.peft.method != "none":
         checkpoint.save_trainable_only(accelerator)
     peak, peak_source = peak_flops(accelerator.device, precision)
@@ -266,28 +282,48 @@ def build(recipe: Recipe) -> Run:
     return run
 
 
-def training_module(recipe: Recipe, model: torch.nn.Module, loss_impl: str) -> torch.nn.Module:
-    """The module whose forward returns the summed loss: SFT's, or the preference objective's (llmtune.preference)."""
+def training_module(
+    recipe: Recipe,
+    model: torch.nn.Module,
+    loss_impl: str,
+    device: torch.device,
+    weights_dtype: torch.dtype | None,
+) -> torch.nn.Module:
+    """The module whose forward returns the summed loss: SFT's, or the preference objective's (llmtune.preference).
+    A frozen copy (preference.reference=copy) goes to `device` with its parameters in `weights_dtype`
+    (parallel.weights_dtype): outside the prepared module, nothing else would put it where the policy computes."""
     objective = recipe.training.objective
     if objective == "sft":
         return CausalLMWithLoss(model, loss_impl)
     reference = preference.resolve_reference(objective, recipe.preference, recipe.peft.method)
-    # copy: the starting weights, frozen, before any update (deepcopy keeps device and dtype).
-    frozen = copy.deepcopy(model).requires_grad_(False).eval() if reference == "copy" else None
+    frozen = None
+    if reference == "copy":  # the starting weights, frozen, before any update
+        frozen = copy.deepcopy(model).requires_grad_(False).eval().to(device)
+        if weights_dtype is not None:
+            for p in frozen.parameters():  # parameters only, as FSDP2 and DeepSpeed cast the policy's
+                p.data = p.data.to(weights_dtype)
     return preference.PreferenceModel(model, loss_impl, objective, recipe.preference, reference, frozen)
 
 
 def with_reference(
-    recipe: Recipe, wrapped: Any, data: PreparedData, plan: BatchPlan, acc: Accelerator, tokenizer: Any, precision: str
+    recipe: Recipe,
+    loss_impl: str,
+    wrapped: Any,
+    data: PreparedData,
+    plan: BatchPlan,
+    acc: Accelerator,
+    tokenizer: Any,
+    precision: str,
 ) -> PreparedData:
-    """Train (and eval) rows with their reference log-probs, computed once by all processes and cached in
-    output_dir (reused on resume and by any later run with the same model, data and settings)."""
+    """Train (and eval) rows with their reference log-probs, computed once by all processes through the prepared
+    module `wrapped` and cached in output_dir (reused on resume and by any later run with the same model, data and
+    settings)."""
     m = recipe.model
     settings = {
         "model": [m.name_or_path, m.revision, m.attn_implementation, m.random_init and recipe.seed],
         "weights": [] if m.random_init else weights_signature(m.name_or_path),
         "precision": precision,
-        "loss": wrapped.impl,
+        "loss": loss_impl,
         "peft": recipe.peft.method,
     }
     cache = Path(recipe.output_dir) / "reference"

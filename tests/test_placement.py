@@ -1,0 +1,231 @@
+"""The DPO reference where and as the policy computes: on the training device, at the policy's precision, under
+every engine, for a model loaded from disk into host memory (as users load theirs).
+
+On a CPU-only host the training device is host memory too, so a tensor left there goes unseen; here training is made
+to think its device is torch's slot for an out-of-tree accelerator (`privateuseone`: a device other than host memory,
+as a GPU is, whose tensors keep their data on the host), and every op of the setup and the first forward is refused
+if it takes tensors from two devices, as CUDA refuses it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from test_scale_out import model_dir  # noqa: F401 (a fixture: the tiny Llama of conftest, weights saved)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from transformers.integrations import hub_kernels
+
+from llmtune.data import batch_for_step
+from llmtune.model import SetupError
+from llmtune.recipe import load_recipe
+from llmtune.train import build, collate_for, train
+
+
+@pytest.fixture
+def recipe_of(tiny_recipe, model_dir, tmp_path):  # noqa: F811 (the fixture imported above)
+    """A recipe training `objective` on test_scale_out's tiny Llama saved to disk (from_pretrained loads it to host
+    memory): one step of 4 rows, one a micro-batch (the reference computed a row at a time then sees the shapes of the
+    step: bf16 gives bit-equal results)."""
+    from test_preference import write_pairs
+
+    pairs = write_pairs(tmp_path / "pairs.jsonl", n=16)
+
+    def make(objective: str = "dpo", **overrides) -> Path:
+        data = [{"path": str(pairs), "format": "preference"}] if objective != "sft" else None
+        return tiny_recipe(
+            model__name_or_path=str(model_dir),
+            model__random_init=False,
+            training__objective=objective,
+            training__max_steps=1,
+            training__micro_batch_size=1,
+            training__global_batch_size=4,
+            data__max_length=96,
+            **({"data__train": data} if data else {}),
+            **overrides,
+        )
+
+    return make
+
+
+def first_step(output_dir: Path) -> dict:
+    return next(json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if "loss" in line)
+
+
+@pytest.fixture
+def fsdp2_one_process(monkeypatch, tmp_path):
+    """FSDP2 in this process: a one-process gloo group and the environment `accelerate launch` sets for fsdp2.yaml."""
+    dist = torch.distributed
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("engine", "reference"), [("ddp", "precomputed"), ("fsdp2", "precomputed"), ("fsdp2", "copy")])
+def test_dpo_starts_at_zero_rewards_and_loss_ln2_in_bf16(engine, reference, recipe_of, tmp_path, request):
+    """At step 0 the policy is the reference: rewards 0, loss ln 2, at any precision. The precomputed reference ran in
+    fp32 without autocast, and the copy stayed fp32 under FSDP2's bf16 weights (and DeepSpeed's)."""
+    if engine == "fsdp2":
+        request.getfixturevalue("fsdp2_one_process")
+    recipe = recipe_of(training__precision="bf16", preference__reference=reference)
+    summary = train(load_recipe(recipe))
+    assert summary["engine"] == engine
+    step = first_step(tmp_path / "run")
+    assert step["rewards_chosen"] == step["rewards_rejected"] == 0
+    assert step["loss"] == pytest.approx(math.log(2), abs=1e-7)
+
+
+def test_a_frozen_copy_under_zero3_is_refused_naming_what_to_use(recipe_of, monkeypatch):
+    """ZeRO-3 loads the model partition by partition: the frozen copy held empty tensors that nothing gathers."""
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    with pytest.raises(SetupError, match=r"preference.reference=copy .* use preference.reference=precomputed"):
+        build(load_recipe(recipe_of(preference__reference="copy")))
+
+
+# ---------------------------------------------------------------- placement
+
+DEVICE = torch.device("privateuseone", 0)  # what training is told its device is (its data kept in host memory)
+TRANSFERS = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}  # the ops that move data between devices
+
+
+class OnDevice(torch.Tensor):
+    """A tensor that says it is on DEVICE; its data is a host tensor (`host`), on which each op runs."""
+
+    @staticmethod
+    def __new__(cls, host: torch.Tensor):
+        host = host.detach()
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            host.shape,
+            strides=host.stride(),
+            storage_offset=host.storage_offset(),
+            dtype=host.dtype,
+            device=DEVICE,
+        )
+        out.host = host
+        return out
+
+    def __tensor_flatten__(self):
+        return ["host"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return OnDevice(inner["host"])
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return HostBackedDevice.run(func, args, kwargs or {})
+
+
+class HostBackedDevice(TorchDispatchMode):
+    """DEVICE without the hardware: a tensor put there (`.to(DEVICE)`, `device=DEVICE`) is an OnDevice, and each op
+    runs on the host data. An op that takes tensors from two devices is refused, as CUDA refuses it (a transfer aside;
+    a 0-dim host tensor is a scalar, which CUDA accepts too): a tensor left in host memory fails here as on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_device: set = set()  # the ops that ran on DEVICE
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        devices = {t.device for t in tensors if t.dim() > 0 or t.device.type != "cpu"}
+        if func not in TRANSFERS and len(devices) > 1:
+            raise RuntimeError(f"{func}: tensors on {sorted(map(str, devices))}")
+        if DEVICE in devices:
+            self.on_device.add(func)
+        return self.run(func, args, kwargs)
+
+    @staticmethod
+    def run(func, args, kwargs):
+        wrappers = {id(t.host): t for t in tree_leaves((args, kwargs)) if isinstance(t, OnDevice)}
+        to_device = kwargs.get("device") is not None and torch.device(kwargs["device"]) == DEVICE
+        if to_device:
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        host_args, host_kwargs = tree_map(lambda t: t.host if isinstance(t, OnDevice) else t, (args, kwargs))
+        out = func(*host_args, **host_kwargs)
+        on_device = to_device or (
+            bool(wrappers) and "device" not in kwargs and func is not torch.ops.aten.copy_.default
+        )
+
+        def wrap(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            if id(t) in wrappers:  # in place: the same tensor
+                return wrappers[id(t)]
+            return OnDevice(t) if on_device else t
+
+        return tree_map(wrap, out)
+
+
+@pytest.fixture
+def on_device(monkeypatch):
+    """Training on DEVICE: the Accelerator says so (prepare and every `.to(acc.device)` then use it). DEVICE is torch's
+    slot for an out-of-tree accelerator, set up with the placeholders torch gives for one written in Python (its
+    device guard, which indexing needs, as CUDA's); once per process, as torch allows."""
+    from torch.utils import backend_registration as backends
+
+    class Backend(backends._DummyBackendModule):
+        def get_amp_supported_dtype(self) -> list[torch.dtype]:  # autocast asks, also to be told it is off
+            return [torch.bfloat16, torch.float16]
+
+    if not hasattr(torch, "privateuseone"):
+        backends._setup_privateuseone_for_python_backend(backend_module=Backend())
+    monkeypatch.setattr(Accelerator, "device", property(lambda self: DEVICE))
+    # transformers has the `kernels` library choose layer implementations for the model's device type (on `train()`
+    # too); it knows no such device: the host's, where the data is.
+    kernelize = hub_kernels._kernels_kernelize
+    monkeypatch.setattr(
+        hub_kernels, "_kernels_kernelize", lambda model, device, **kw: kernelize(model, device="cpu", **kw)
+    )
+    mode = HostBackedDevice()
+    with mode:
+        yield mode
+
+
+@pytest.mark.parametrize(("objective", "reference"), [("dpo", "precomputed"), ("dpo", "copy"), ("sft", "none")])
+def test_setup_and_first_step_run_on_the_training_device(objective, reference, recipe_of, on_device):
+    """A model loaded from disk into host memory, trained on another device: the precomputed reference ran before
+    `prepare` moved the model (host weights, device batch) and the frozen copy was never moved."""
+    overrides = {"preference__reference": reference} if objective == "dpo" else {}
+    run = build(load_recipe(recipe_of(objective, **overrides)))
+    examples = batch_for_step(
+        run.data.train, step=0, global_batch_size=4, seed=0, rank=0, world_size=1, group_by_length=False
+    )
+    # The first micro-batch's forward as train_step runs it (the copy's first, under no_grad). Not its backward: the
+    # autograd engine wants the device's streams, which torch's Python-side placeholders do not give.
+    batch = {k: v.to(DEVICE) for k, v in collate_for(run, examples[:1]).items()}
+    assert run.model(**batch).device == DEVICE
+    assert {p.device for p in run.model.parameters()} == {DEVICE}
+    assert torch.ops.aten.embedding.default in on_device.on_device  # the forwards ran there
+    if reference == "copy":
+        assert {p.device for p in run.model._reference_model[0].parameters()} == {DEVICE}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs `.[deepspeed]`")
+def test_zero3_dpo_computes_the_precomputed_reference_through_the_sharded_model(recipe_of, tmp_path):
+    """ZeRO-3 loads the model partition by partition: the reference forward ran before `prepare`, on empty partitions.
+    Through the engine it gathers them, at the engine's bf16: step 0 then has rewards 0 and loss ln 2."""
+    from test_scale_out import launch
+
+    recipe = recipe_of(training__precision="bf16", training__gradient_checkpointing=False)
+    proc = subprocess.run(launch(recipe, tmp_path / "run", "zero3"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "run_summary.json").read_text())["engine"] == "zero3"
+    step = first_step(tmp_path / "run")
+    assert step["rewards_chosen"] == step["rewards_rejected"] == 0
+    assert step["loss"] == pytest.approx(math.log(2), abs=1e-7)
