@@ -28,6 +28,8 @@ from llmtune.recipe import flatten
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+# In final/: how the run's prompts reached the model (data.render.prompt_layout), so generate and eval prompt alike.
+PROMPT_LAYOUT_FILE = "prompt_layout.json"
 # Changing these mid-run would make the resumed run a different run; everything else is allowed.
 CONTINUITY_KEYS = ("model", "data", "seed", "peft", "training.global_batch_size", "training.optimizer")
 
@@ -179,8 +181,10 @@ def save_final(
     *,
     adapters_only: bool = False,
     save_base: bool = False,
+    prompt_layout: str,
 ) -> Path:
-    """Write `final/` atomically: a loadable `save_pretrained` model (or adapter) plus the tokenizer.
+    """Write `final/` atomically: a loadable `save_pretrained` model (or adapter), the tokenizer and the prompt
+    layout the run trained with (`PROMPT_LAYOUT_FILE`: nothing in a Hugging Face folder says it was Alpaca's).
 
     `adapters_only`: the model is a peft model whose adapter is what `final/` holds; its frozen base is not
     gathered. `save_base` also writes the frozen base under `final/base/`: a randomly initialised base exists on
@@ -195,6 +199,7 @@ def save_final(
         weights = _strip_prefix(state_dict, "model.")
         inner.save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
+        (tmp / PROMPT_LAYOUT_FILE).write_text(json.dumps({"layout": prompt_layout}) + "\n")
         if save_base:
             from llmtune.merge import BASE_DIR, save_base_weights
 

@@ -1,15 +1,18 @@
 """Talk to a trained run: load its `final/` (a full model, or an adapter on its base, unmerged) and generate.
 
-The prompt is given to the model the way the run trained on it: a run trained on `messages` is prompted with
-the tokenizer's chat template; a run trained on `prompt_completion` or `text` rows with the plain prompt ids
-that `data.render_prompt` gives at training time (a chat template would be a format the model never saw). A
-folder without a recipe beside it uses the chat template when the tokenizer has one.
+The prompt is given to the model the way the run trained on it, as `final/prompt_layout.json` records: a run
+trained on `messages` is prompted with the tokenizer's chat template; one trained on Alpaca rows with the
+Alpaca template around the message; one trained on other `prompt_completion` or `text` rows with the plain
+prompt ids that `data.render_prompt` gives at training time (a chat template would be a format the model never
+saw). A run saved before the layout was recorded falls back to its recipe.yaml (chat or plain), a folder with
+neither to the chat template when the tokenizer has one.
 `scripts/eval_accuracy.py` scores answers with `answer`, so `llmtune generate` answers exactly as it is scored.
 A reply ends at any of `stop_ids`: the model's own list (generation_config), not only the tokenizer's eos.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +21,8 @@ from typing import Any
 import torch
 import yaml
 
-from llmtune.data import render_prompt
+from llmtune.checkpoint import PROMPT_LAYOUT_FILE
+from llmtune.data import alpaca_prompt, render_prompt
 from llmtune.merge import ADAPTER_CONFIG, WEIGHT_FILES
 
 # How common chat templates end a turn (ChatML / Qwen, Llama-3, Gemma, Phi-3, Command-R): a chat model ends its
@@ -57,6 +61,7 @@ class LoadedRun:
     tokenizer: Any
     chat: bool  # prompt with the chat template (else plain prompt ids)
     folder: Path
+    alpaca: bool = False  # plain prompts inside the Alpaca template (the run trained on Alpaca rows)
 
 
 def load_run(run: str | Path, *, chat: bool | None = None) -> LoadedRun:
@@ -86,12 +91,13 @@ def load_run(run: str | Path, *, chat: bool | None = None) -> LoadedRun:
     model.eval()
     # Training saves use_cache=False (a cache is useless there); generation wants it back.
     model.config.use_cache = True
+    layout = _recorded_layout(folder)
     if chat is None:
-        chat = _trained_on_chats(folder)
+        chat = layout == "chat" if layout else _trained_on_chats(folder)
         chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
     if chat and not getattr(tokenizer, "chat_template", None):
         raise GenerateError(f"{folder}: the tokenizer has no chat template; prompt it with plain text instead")
-    return LoadedRun(model, tokenizer, chat, folder)
+    return LoadedRun(model, tokenizer, chat, folder, alpaca=not chat and layout == "alpaca")
 
 
 def on_accelerator(model: Any) -> Any:
@@ -111,6 +117,12 @@ def final_folder(path: Path) -> Path:
     raise GenerateError(f"{path}: not a run's output_dir nor a saved model (no final/, config.json or adapter)")
 
 
+def _recorded_layout(folder: Path) -> str | None:
+    """The prompt layout the run recorded in final/ (chat, alpaca or plain), or None in a folder without it."""
+    path = folder / PROMPT_LAYOUT_FILE
+    return json.loads(path.read_text())["layout"] if path.is_file() else None
+
+
 def _trained_on_chats(folder: Path) -> bool | None:
     """True/False when the run's recipe.yaml (beside final/) says its data were chats or not; None without it."""
     path = folder.parent / "recipe.yaml"
@@ -124,11 +136,13 @@ def _trained_on_chats(folder: Path) -> bool | None:
 
 
 def prompt_ids(run: LoadedRun, messages: list[dict[str, str]]) -> list[int]:
-    """The ids the model is given: the chat rendered for a reply, or (plain) the last user message alone."""
+    """The ids the model is given: the chat rendered for a reply, or (plain) the last user message alone, inside the
+    Alpaca template for a run trained on Alpaca rows."""
     if run.chat:
         out = run.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
         return list(out["input_ids"])
-    return render_prompt(messages[-1]["content"], run.tokenizer)
+    text = messages[-1]["content"]
+    return render_prompt(alpaca_prompt(text, "") if run.alpaca else text, run.tokenizer)
 
 
 def stop_ids(model: Any, tokenizer: Any, chat: bool) -> list[int]:
@@ -244,5 +258,8 @@ def reply(run: LoadedRun, messages: list[dict[str, str]], sampling: Sampling, st
 
 def describe(run: LoadedRun) -> str:
     kind = "adapter on its base (unmerged)" if (run.folder / ADAPTER_CONFIG).is_file() else "model"
-    fmt = "the tokenizer's chat template" if run.chat else "plain prompts, as the run trained"
+    if run.chat:
+        fmt = "the tokenizer's chat template"
+    else:
+        fmt = f"{'Alpaca-templated' if run.alpaca else 'plain'} prompts, as the run trained"
     return f"{run.folder}: {kind}; prompting with {fmt}"

@@ -531,7 +531,14 @@ def fit(run: Run) -> dict[str, Any]:
     save_base = r.model.random_init and r.peft.method != "none"
     adapters = r.peft.method != "none"
     final = checkpoint.save_final(
-        acc, run.engine, model, run.tokenizer, out, adapters_only=adapters, save_base=save_base
+        acc,
+        run.engine,
+        model,
+        run.tokenizer,
+        out,
+        adapters_only=adapters,
+        save_base=save_base,
+        prompt_layout=run.data.prompt_layout,
     )
     peaks = {"peak_memory_bytes": steady_peak, "peak_reserved_bytes": steady_reserved}
     summary = run_summary(run, metrics, peaks, time.perf_counter() - started, step, eval_loss, final)
@@ -605,7 +612,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
 
 def train_step(run: Run, examples: list[dict]) -> StepResult | None:
     """One optimizer step over this process's examples, or None when it ran out of memory in a forward or
-    backward and the plan was shrunk (one process; with several, `stop_after_out_of_memory`)."""
+    backward and the plan was shrunk (one process without DeepSpeed; otherwise `stop_after_out_of_memory`)."""
     acc, model, m = run.accelerator, run.model, run.plan.micro_batch_size
     micro_batches = [collate_for(run, examples[i : i + m]) for i in range(0, len(examples), m)]
     # Loss is summed per token and divided by the trained tokens of the whole window on all processes,
@@ -631,7 +638,10 @@ def train_step(run: Run, examples: list[dict]) -> StepResult | None:
                 parallel.backward(acc, run.engine, out[0] * scale)
             sums = sums + out.detach().float()
     except torch.OutOfMemoryError:
-        if acc.num_processes > 1:
+        # DeepSpeed keeps the window's gradients in its own partitioned buffers, which its Accelerate wrapper's
+        # `zero_grad` (a no-op) does not clear, and steps inside the last backward: a redone step would add the
+        # failed window's partial gradients to its own (measured: another update than the step asked for).
+        if acc.num_processes > 1 or parallel.is_deepspeed(run.engine):
             stop_after_out_of_memory(run, "forward/backward", len(examples))
         oom = True
     if oom:  # nothing was updated yet: the same step is redone with smaller micro-batches
@@ -664,11 +674,12 @@ def stop_after_out_of_memory(run: Run, where: str, per_process: int) -> NoReturn
     """Out of memory where the run cannot simply redo the step: stop every process, never hang.
 
     With several processes the others may already wait in a collective (a gradient all-reduce, an FSDP2 or
-    ZeRO-3 all-gather) that this process will never join, so no agreement is possible any more. This
-    process records the smaller micro-batch in `out_of_memory.json` (read by `build` when the same command
-    resumes) and exits at once with 75; the launcher then stops the others (torchrun: SIGTERM, SIGKILL
-    after 30 s; a process waiting on a gloo peer that exited fails at once). `checkpoint.resume: auto`
-    continues from the last checkpoint with the smaller micro-batch.
+    ZeRO-3 all-gather) that this process will never join, so no agreement is possible any more; under DeepSpeed,
+    even alone, the failed window's gradients stay in the engine (train_step). This process records the smaller
+    micro-batch in `out_of_memory.json` (read by `build` when the same command resumes) and exits at once with 75;
+    the launcher then stops the others (torchrun: SIGTERM, SIGKILL after 30 s; a process waiting on a gloo peer
+    that exited fails at once). `checkpoint.resume: auto` continues from the last checkpoint with the smaller
+    micro-batch.
     """
     if run.plan.micro_batch_size == 1:
         log.error(

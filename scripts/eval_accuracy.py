@@ -4,6 +4,8 @@
 
 `make train` runs it after the quickstart, so the log shows that the model learned the task, not only
 that its loss fell. Compare with an untrained model: `--model assets/quickstart/model --random-init`.
+Each prompt is given as `llmtune generate` gives it (`llmtune.generate.load_run`): in the layout the run trained
+with (plain, Alpaca's template, or the chat template), ending at every stop id.
 """
 
 from __future__ import annotations
@@ -15,8 +17,14 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from llmtune.data import render_prompt
-from llmtune.generate import Sampling, answer, on_accelerator
+from llmtune.generate import LoadedRun, Sampling, load_run, on_accelerator, reply
+
+
+def untrained(folder: str) -> LoadedRun:
+    """The baseline: the model's config with seeded random weights, prompted plain (it trained on nothing)."""
+    torch.manual_seed(0)
+    model = on_accelerator(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))).eval()
+    return LoadedRun(model, AutoTokenizer.from_pretrained(folder), chat=False, folder=Path(folder))
 
 
 def main() -> None:
@@ -27,20 +35,12 @@ def main() -> None:
     parser.add_argument("--random-init", action="store_true", help="score an untrained model (the baseline)")
     args = parser.parse_args()
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    if args.random_init:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
-    else:
-        model = AutoModelForCausalLM.from_pretrained(args.model)
-    model = on_accelerator(model).eval()
+    run = untrained(args.model) if args.random_init else load_run(args.model)
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()][: args.limit]
     by_kind: dict[str, list[bool]] = {}
     for row in rows:
-        # Prompted and decoded as `llmtune generate` does (greedy, the prompt ids the run trained on).
-        target = tokenizer(row["completion"], add_special_tokens=False).input_ids
-        sampling = Sampling(max_new_tokens=len(target) + 2)
-        answer_text = answer(model, tokenizer, render_prompt(row["prompt"], tokenizer), sampling)
+        target = run.tokenizer(row["completion"], add_special_tokens=False).input_ids
+        answer_text = reply(run, [{"role": "user", "content": row["prompt"]}], Sampling(max_new_tokens=len(target) + 2))
         kind = row["prompt"].split()[0]  # What / Reverse / Sort
         by_kind.setdefault(kind, []).append(answer_text.strip() == row["completion"].strip())
     total = [ok for oks in by_kind.values() for ok in oks]

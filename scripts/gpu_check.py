@@ -21,6 +21,12 @@ Sections (in this order; the memory matrix last, as it takes the time that is le
 - gpu_tests (CUDA): `pytest -m gpu`.
 - fsdp2, deepspeed_zero3 (CUDA): one-process smoke runs through `accelerate launch`: wrapping, the step,
   sharded checkpoint, resume, final/ gathered to a model that loads.
+- dpo_reference: DPO from a model loaded from disk (from_pretrained, as users start) with the precomputed and the
+  copy reference: both train on the device, the copy beside the policy.
+- fsdp2_dpo (CUDA): FSDP2 in bf16, one process through `accelerate launch`, DPO with the precomputed reference
+  from that model: train, checkpoint, resume, final/ loads.
+- generate_chat: `llmtune generate` and `llmtune chat` (two turns) on that model, on the GPU where there is one.
+- qlora (CUDA, bitsandbytes): QLoRA training of that model, 3 steps with finite losses.
 - planner: three budgets between the estimates of consecutive micro-batches: the planned micro-batch trains
   under the budget enforced as a hard limit with no out-of-memory error, the next size up does not fit;
   accelerate's `find_executable_batch_size` on the same budgets (its trials and its pick).
@@ -43,6 +49,7 @@ import importlib.util
 import itertools
 import json
 import logging
+import math
 import os
 import platform
 import random
@@ -98,7 +105,8 @@ class Size:
 FULL = Size(
     max_length=1024, micro=4, planner_global=16, vocab=32000,
     boxes={"env": 30, "fp16": 40, "bf16_true": 40, "resume": 50, "memory": 300, "planner": 75, "planner_v2": 90,
-           "throughput": 90, "fsdp2": 70, "deepspeed_zero3": 70, "gpu_tests": 60},
+           "throughput": 90, "fsdp2": 70, "deepspeed_zero3": 70, "gpu_tests": 60, "dpo_reference": 40, "fsdp2_dpo": 70,
+           "generate_chat": 30, "qlora": 40},
 )  # fmt: skip
 TINY = Size(
     # Boxes only bound a stuck CI run: a loaded 2-core machine ran this in 45-120 s.
@@ -188,10 +196,36 @@ class Ctx:
             "logging": {"every_n_steps": 1, "progress_bar": False},
             "checkpoint": {"resume": "none", "every_n_steps": 0},
         }  # fmt: skip
+        return self.with_training(recipe, **training)
+
+    @staticmethod
+    def with_training(recipe: dict, **training: Any) -> dict:
+        """`recipe` with `training` keys set (data__x / peft__x too), in place."""
         for key, value in training.items():
             section, _, name = key.rpartition("__")
             recipe.setdefault(section or "training", {})[name] = value
         return recipe
+
+    def saved_model(self) -> Path:
+        """SMOKE with seeded random weights saved beside its tokenizer: loaded with from_pretrained, as users load a
+        checkpoint (a model built in place never passes through the device moves a loaded one needs)."""
+        folder = self.tmp / "smoke-weights"
+        if not folder.is_dir():
+            from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.models[SMOKE])).save_pretrained(folder)
+            AutoTokenizer.from_pretrained(self.models[SMOKE]).save_pretrained(folder)
+        return folder
+
+    def dpo_recipe(self, reference: str, **training: Any) -> dict:
+        """DPO of the saved SMOKE model on pairs (a sentence chosen, a shuffled one rejected), packed; checkpointing
+        fixed, so no planning (its timings took most of a toy run's seconds)."""
+        return self.recipe(
+            SMOKE, objective="dpo", model__name_or_path=str(self.saved_model()), model__random_init=False,
+            preference__reference=reference, data__packing=True, gradient_checkpointing=False,
+            data__train=[{"path": str(self.data["pairs"]), "format": "preference"}], **training,
+        )  # fmt: skip
 
 
 def prepare(ctx: Ctx) -> None:
@@ -224,6 +258,12 @@ def prepare(ctx: Ctx) -> None:
     for kind, texts in rows.items():
         ctx.data[kind] = ctx.tmp / f"{kind}.jsonl"
         ctx.data[kind].write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    pairs = []
+    for text in rows["short"][:32]:
+        prompt, answer = text[: len(text) // 2], text[len(text) // 2 :]
+        pairs.append({"prompt": prompt, "chosen": answer, "rejected": "".join(rng.sample(answer, len(answer)))})
+    ctx.data["pairs"] = ctx.tmp / "pairs.jsonl"
+    ctx.data["pairs"].write_text("".join(json.dumps(row) + "\n" for row in pairs))
 
 
 def build_run(recipe: dict, tmp: Path):
@@ -618,9 +658,11 @@ def section_throughput(ctx: Ctx, out: dict) -> None:
     out["ok"] = None if ctx.tiny else speed_ok and best_mfu >= TARGETS["mfu_bf16_1b"]
 
 
-def launch_smoke(ctx: Ctx, out: dict, config_file: str) -> None:
-    """One process through `accelerate launch`: train with a checkpoint, resume, load final/."""
-    recipe = ctx.recipe(SMOKE, max_steps=2, checkpoint__every_n_steps=2, logging__every_n_steps=1)
+def launch_smoke(ctx: Ctx, out: dict, config_file: str, recipe: dict | None = None) -> None:
+    """One process through `accelerate launch`: train `recipe` (default: SMOKE's) with a checkpoint, resume, load
+    final/."""
+    recipe = recipe or ctx.recipe(SMOKE)
+    recipe = ctx.with_training(recipe, max_steps=2, checkpoint__every_n_steps=2, logging__every_n_steps=1)
     path = ctx.tmp / f"smoke-{Path(config_file).stem}.yaml"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / config_file),
            "--num_processes", "1", str(ROOT / "scripts" / "finetune.py"), "--recipe", str(path)]  # fmt: skip
@@ -665,8 +707,84 @@ def section_gpu_tests(ctx: Ctx, out: dict) -> None:
     out["ok"] = proc.returncode == 0
 
 
+def finished_losses(run: Any) -> list[float]:
+    lines = (Path(run.recipe.output_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+
+def section_dpo_reference(ctx: Ctx, out: dict) -> None:
+    """DPO from a model loaded from disk with the precomputed and the copy reference: both reference forwards must
+    run on the device the policy trains on (issue 26: the precomputed one ran before the model moved, the copy
+    was never moved: tensors on two devices). At step 1 the policy is the reference: the loss is ln 2."""
+    from llmtune.train import fit
+
+    out["runs"] = {}
+    for reference in ("precomputed", "copy"):
+        ctx.check_time()
+        run = build_run(ctx.dpo_recipe(reference, max_steps=1), ctx.tmp)  # step 1 runs both reference forwards
+        summary = fit(run)
+        losses = finished_losses(run)
+        out["runs"][reference] = {
+            "steps": summary["steps"], "losses": losses, "first_loss_minus_ln2": losses[0] - math.log(2),
+            "precision": run.precision, "device": str(next(run.model.parameters()).device),
+        }  # fmt: skip
+        del run
+        release()
+    out["ok"] = all(r["steps"] == 1 and all(map(math.isfinite, r["losses"])) for r in out["runs"].values())
+
+
+def section_fsdp2_dpo(ctx: Ctx, out: dict) -> None:
+    """FSDP2 in bf16, one process, DPO with the precomputed reference from a model loaded from disk."""
+    launch_smoke(ctx, out, "recipes/accelerate/fsdp2.yaml", ctx.dpo_recipe("precomputed", precision="bf16"))
+    out["ok"] = out["ok"] and all(r["launch"].startswith("fsdp2") for r in out["runs"])
+
+
+def section_generate_chat(ctx: Ctx, out: dict) -> None:
+    """`llmtune generate` and `llmtune chat` on a model loaded from disk, on the GPU where there is one."""
+    import contextlib
+    import io
+
+    from llmtune.cli import main as llmtune
+    from llmtune.generate import load_run
+
+    folder = str(ctx.saved_model())
+    out["model_device"] = str(next(load_run(folder).model.parameters()).device)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        generated = llmtune(["generate", "--run", folder, "--prompt", "tell me", "--max-new-tokens", "8"])
+    out["generate"] = {"returncode": generated, "reply": said.getvalue().strip()}
+    stdin, sys.stdin = sys.stdin, io.StringIO("tell me\nand then?\n\n")  # two turns, then an empty line
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said):
+            chatted = llmtune(["chat", "--run", folder, "--max-new-tokens", "8"])
+    finally:
+        sys.stdin = stdin
+    out["chat"] = {"returncode": chatted, "transcript": said.getvalue().strip()}
+    out["ok"] = generated == chatted == 0 and out["model_device"].startswith(ctx.device.type)
+
+
+def section_qlora(ctx: Ctx, out: dict) -> None:
+    """QLoRA (a 4-bit base through bitsandbytes) trains from a model loaded from disk."""
+    from llmtune.train import fit
+
+    recipe = ctx.recipe(SMOKE, model__name_or_path=str(ctx.saved_model()), model__random_init=False,
+                        peft__method="qlora", precision="bf16", max_steps=3)  # fmt: skip
+    run = build_run(recipe, ctx.tmp)
+    summary = fit(run)
+    losses = finished_losses(run)
+    out.update(steps=summary["steps"], losses=losses, peak_memory_bytes=summary.get("peak_memory_bytes"))
+    out["ok"] = summary["steps"] == 3 and all(map(math.isfinite, losses))
+    del run
+    release()
+
+
 def no_cuda(why: str = "") -> Callable[[Ctx], str | None]:
     return lambda ctx: None if ctx.cuda else f"no CUDA{why}"
+
+
+def no_cuda_or_missing(package: str) -> Callable[[Ctx], str | None]:
+    return lambda ctx: no_cuda()(ctx) or (None if importlib.util.find_spec(package) else f"{package} is not installed")
 
 
 # name: (function, why it is skipped here or None). The memory matrix comes last: it takes what time is left.
@@ -677,10 +795,11 @@ SECTIONS: dict[str, tuple[Callable[[Ctx, dict], None], Callable[[Ctx], str | Non
     "resume": (section_resume, lambda ctx: None),
     "gpu_tests": (section_gpu_tests, no_cuda()),
     "fsdp2": (section_fsdp2, no_cuda(" (Accelerate runs FSDP on GPUs only)")),
-    "deepspeed_zero3": (
-        section_deepspeed_zero3,
-        lambda ctx: no_cuda()(ctx) or (None if importlib.util.find_spec("deepspeed") else "deepspeed is not installed"),
-    ),
+    "deepspeed_zero3": (section_deepspeed_zero3, no_cuda_or_missing("deepspeed")),
+    "dpo_reference": (section_dpo_reference, lambda ctx: None),
+    "fsdp2_dpo": (section_fsdp2_dpo, no_cuda(" (Accelerate runs FSDP on GPUs only)")),
+    "generate_chat": (section_generate_chat, lambda ctx: None),
+    "qlora": (section_qlora, no_cuda_or_missing("bitsandbytes")),
     "planner": (section_planner, lambda ctx: None),
     "planner_v2": (section_planner_v2, lambda ctx: None),
     "throughput": (section_throughput, lambda ctx: None),
@@ -794,7 +913,15 @@ def headline(name: str, sec: dict) -> str:
         return f"{sec['optimizer']}: {moved:.0%} of the weights that rounding to nearest cannot move moved"
     if name == "resume":
         return f"loss after resume within {sec['max_rel_diff_after_resume']:.1e} of the straight run"
-    if name in ("fsdp2", "deepspeed_zero3"):
+    if name == "dpo_reference":
+        return "; ".join(f"{ref}: losses {[round(x, 4) for x in r['losses']]} on {r['device']}"
+                         for ref, r in sec["runs"].items())  # fmt: skip
+    if name == "generate_chat":
+        return (f"on {sec['model_device']}: generate exit {sec['generate']['returncode']}, chat exit"
+                f" {sec['chat']['returncode']}")  # fmt: skip
+    if name == "qlora":
+        return f"{sec['steps']} steps, losses {[round(x, 4) for x in sec['losses']]}"
+    if name in ("fsdp2", "deepspeed_zero3", "fsdp2_dpo"):
         exits = [r["returncode"] for r in sec["runs"]]
         return f"launch {sec['runs'][0]['launch']}; exit {exits}; final/ loads: {sec['final_loads']}"
     if name == "gpu_tests":

@@ -33,7 +33,7 @@ def train(recipe: Path, caplog) -> Path:
     return out
 
 
-def greedy(model, tokenizer, prompt: str) -> str:
+def greedy_ids(model, tokenizer, prompt: str) -> list[int]:
     """What a user gets from plain transformers: the prompt ids as training saw them, greedy decoding."""
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     model.eval()
@@ -46,13 +46,26 @@ def greedy(model, tokenizer, prompt: str) -> str:
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
         )
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    return out[0, ids.shape[1] :].tolist()
+
+
+def greedy(model, tokenizer, prompt: str) -> str:
+    return tokenizer.decode(greedy_ids(model, tokenizer, prompt), skip_special_tokens=True).strip()
 
 
 def cli_generate(capsys, run: Path, *extra: str) -> str:
     capsys.readouterr()
     assert main(["generate", "--run", str(run), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), *extra]) == 0
     return capsys.readouterr().out.strip()
+
+
+def cli_chat(capsys, monkeypatch, run: Path) -> tuple[str, str]:
+    """`llmtune chat` asked PROMPT once: (the reply, what it said on stderr)."""
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{PROMPT}\n\n"))
+    capsys.readouterr()
+    assert main(["chat", "--run", str(run), "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    captured = capsys.readouterr()
+    return captured.out.replace("> ", "").strip(), captured.err
 
 
 def test_generate_and_chat_answer_as_plain_transformers(tiny_recipe, tmp_path, capsys, monkeypatch, caplog):
@@ -71,12 +84,8 @@ def test_generate_and_chat_answer_as_plain_transformers(tiny_recipe, tmp_path, c
 
     # chat streams the same greedy reply; the run trained on prompts, so it is prompted with plain prompts
     # although this tokenizer has a chat template.
-    monkeypatch.setattr("sys.stdin", io.StringIO(f"{PROMPT}\n\n"))
-    capsys.readouterr()
-    assert main(["chat", "--run", str(run), "--max-new-tokens", str(NEW_TOKENS)]) == 0
-    captured = capsys.readouterr()
-    assert captured.out.replace("> ", "").strip() == expected
-    assert "plain prompts" in captured.err
+    said, told = cli_chat(capsys, monkeypatch, run)
+    assert said == expected and "plain prompts" in told
 
 
 def test_lora_run_on_random_base_loads_with_plain_peft(tiny_recipe, capsys, caplog):
@@ -192,11 +201,7 @@ def test_replies_stop_at_each_stop_id_of_the_generation_config(tmp_path, capsys,
 
     folder = write_parrot(tmp_path / "parrot", [2, 5])  # [</s>, <|im_end|>]
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [2, 5]
-    got = {"llmtune generate": cli_generate(capsys, folder)}
-    monkeypatch.setattr("sys.stdin", io.StringIO(f"{PROMPT}\n\n"))
-    capsys.readouterr()
-    assert main(["chat", "--run", str(folder), "--max-new-tokens", str(NEW_TOKENS)]) == 0
-    got["llmtune chat"] = capsys.readouterr().out.replace("> ", "").strip()
+    got = {"llmtune generate": cli_generate(capsys, folder), "llmtune chat": cli_chat(capsys, monkeypatch, folder)[0]}
 
     sampling = Sampling(max_new_tokens=NEW_TOKENS)
     budgets = [NEW_TOKENS, 1, NEW_TOKENS, 2, NEW_TOKENS, NEW_TOKENS]
@@ -267,3 +272,66 @@ def test_load_run_moves_the_model_to_the_gpu_when_there_is_one(tmp_path, monkeyp
     run = load_run(folder)
     assert [d.type for d in asked] == (["cuda"] if cuda else [])
     assert isinstance(run.model, LlamaForCausalLM)
+
+
+# ---------------------------------------------------------------- prompt layouts (generate, chat and the eval script)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def eval_accuracy(monkeypatch, capsys, model: Path, rows: list[dict[str, str]], data: Path) -> str:
+    """scripts/eval_accuracy.py run in this process (as `make train` runs it): its first line of output."""
+    import runpy
+    import sys
+
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    monkeypatch.setattr(sys, "argv", ["eval_accuracy.py", "--model", str(model), "--data", str(data)])
+    capsys.readouterr()
+    runpy.run_path(str(ROOT / "scripts" / "eval_accuracy.py"), run_name="__main__")
+    return capsys.readouterr().out.splitlines()[0]
+
+
+def test_a_run_trained_on_alpaca_rows_is_prompted_in_the_alpaca_layout(tiny_recipe, tiny_data, tmp_path, capsys,
+                                                                      monkeypatch, caplog):  # fmt: skip
+    """Alpaca rows train on Stanford Alpaca's template around the instruction: the run records that layout in
+    final/, and generate, chat and the eval script prompt with it (they gave the bare instruction)."""
+    from llmtune.data import alpaca_prompt
+
+    rows = [json.loads(line) for line in tiny_data.read_text().splitlines()]
+    alpaca = tmp_path / "alpaca.jsonl"
+    alpaca.write_text("".join(json.dumps({"instruction": r["prompt"], "output": r["completion"]}) + "\n" for r in rows))
+    run = train(tiny_recipe(data__train=[{"path": str(alpaca)}], data__max_length=160), caplog)
+    final = run / "final"
+    assert json.loads((final / "prompt_layout.json").read_text()) == {"layout": "alpaca"}
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final)
+    expected = greedy(model, tokenizer, alpaca_prompt(PROMPT, ""))
+    assert expected and expected != greedy(model, tokenizer, PROMPT), "the layout must change the answer"
+
+    assert cli_generate(capsys, run) == expected
+    said, told = cli_chat(capsys, monkeypatch, run)
+    assert said == expected and "Alpaca-templated prompts" in told
+    # Scored by the eval script, whose budget is the completion's length + 2 tokens: the saved generation_config
+    # lists a stop id beside </s> (as an instruct model lists its end of turn), the token after the first one in
+    # which the Alpaca-prompted answer and the plain one differ, so the answer ends there.
+    got, plain = greedy_ids(model, tokenizer, alpaca_prompt(PROMPT, "")), greedy_ids(model, tokenizer, PROMPT)
+    part = next(k for k, (a, b) in enumerate(zip(got, plain, strict=True)) if a != b)
+    answer, stop = got[: part + 1], got[part + 1]
+    assert stop not in answer
+    config = json.loads((final / "generation_config.json").read_text())
+    config["eos_token_id"] = [tokenizer.eos_token_id, stop]
+    (final / "generation_config.json").write_text(json.dumps(config))
+    rows = [{"prompt": PROMPT, "completion": tokenizer.decode(answer)}]
+    got = eval_accuracy(monkeypatch, capsys, final, rows, tmp_path / "eval.jsonl")
+    assert got == "exact-match accuracy on 1 eval rows: 100.0%"
+
+
+@pytest.mark.parametrize("eos", [[2, 5], 2])
+def test_eval_prompts_an_instruct_model_with_its_chat_template_and_stops_at_each_stop_id(tmp_path, monkeypatch,
+                                                                                        capsys, eos):  # fmt: skip
+    """An instruct model (a chat template, no recipe beside it; generation_config's stop ids [</s>, <|im_end|>] or
+    </s> alone) is scored as `llmtune generate` answers it: prompted with its template, its reply ends at the
+    template's end of turn (plain prompts and the tokenizer's eos alone ran on into the next turn)."""
+    folder = write_parrot(tmp_path / "parrot", eos)
+    rows = [{"prompt": PROMPT, "completion": WORD}, {"prompt": "hello", "completion": f" {WORD} "}]
+    got = eval_accuracy(monkeypatch, capsys, folder, rows, tmp_path / "eval.jsonl")
+    assert got == "exact-match accuracy on 2 eval rows: 100.0%"

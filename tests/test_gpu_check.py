@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU_SECTIONS = ("env", "bf16_true", "resume", "planner", "planner_v2", "throughput", "memory")
-CUDA_SECTIONS = ("fp16", "gpu_tests", "fsdp2", "deepspeed_zero3")
+CPU_SECTIONS = (
+    "env", "bf16_true", "resume", "dpo_reference", "generate_chat", "planner", "planner_v2", "throughput", "memory"
+)  # fmt: skip
+CUDA_SECTIONS = ("fp16", "gpu_tests", "fsdp2", "deepspeed_zero3", "fsdp2_dpo", "qlora")
 
 
 @pytest.mark.slow
@@ -44,3 +46,9 @@ def test_gpu_check_tiny_runs_every_section_and_writes_its_results(tmp_path):
     assert "## Memory" in report and "## Planner" in report and "## Throughput" in report
     assert "## Planner v2" in report and "| llama-h64-L2 | tight" in report
     assert "| fp16 | skipped |" in report
+    dpo = sections["dpo_reference"]
+    assert dpo["ok"] and set(dpo["runs"]) == {"precomputed", "copy"}, dpo
+    assert all(r["steps"] == 1 and r["device"] == "cpu" for r in dpo["runs"].values())
+    chat = sections["generate_chat"]
+    assert chat["ok"] and chat["model_device"] == "cpu" and len(chat["chat"]["transcript"].splitlines()) == 3, chat
+    assert "| dpo_reference | done ok |" in report and "| generate_chat | done ok |" in report

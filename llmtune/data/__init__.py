@@ -61,6 +61,7 @@ from llmtune.data.render import (
     check_messages,
     ensure_chat_template,
     messages_of,
+    prompt_layout,
     render_messages,
     render_prompt,
     render_prompt_completion,
@@ -126,6 +127,7 @@ class PreparedData:
     stats: DataStats
     packed: bool
     eval_stats: DataStats | None = None
+    prompt_layout: str = "plain"  # of every train source (data.render.prompt_layout); mixed layouts: plain
 
 
 # ---------------------------------------------------------------- entry point
@@ -174,7 +176,11 @@ def prepare_data(
     logger.info("train data: %s", _summary(train_stats))
     if eval_stats is not None:
         logger.info("eval data: %s", _summary(eval_stats))
-    return PreparedData(train=train, eval=evaluation, stats=train_stats, packed=cfg.packing, eval_stats=eval_stats)
+    layouts = {p.layout for p in train_parts}
+    layout = layouts.pop() if len(layouts) == 1 else "plain"
+    return PreparedData(
+        train=train, eval=evaluation, stats=train_stats, packed=cfg.packing, eval_stats=eval_stats, prompt_layout=layout
+    )
 
 
 def _hold_out(parts: list[_Part], fraction: float, seed: int) -> list[datasets.Dataset]:
@@ -263,6 +269,7 @@ class _Part:
     source_rows: int
     truncated: int
     drop_reasons: dict[str, int]
+    layout: str  # how its prompts reach the model (data.render.prompt_layout)
 
 
 def load_source(src: SourceConfig) -> datasets.Dataset:
@@ -353,7 +360,7 @@ def _load_tokenised(src: SourceConfig, cfg: DataConfig, tokenizer: Any) -> _Part
             sum(reasons.values()),
             reasons or "",
         )
-    return _Part(src, src.path, data, len(raw), truncated, reasons)
+    return _Part(src, src.path, data, len(raw), truncated, reasons, prompt_layout(src, columns))
 
 
 # ---------------------------------------------------------------- rows

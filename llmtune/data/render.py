@@ -138,6 +138,14 @@ def messages_of(value: list[dict[str, Any]]) -> list[dict[str, str]]:
     return [{"role": SHAREGPT_ROLES[role], "content": content} for role, content in map(_turn, value)]
 
 
+def prompt_layout(src: SourceConfig, columns: dict[str, str]) -> str:
+    """How a source's prompts reach the model: `chat` (the chat template), `alpaca` (Stanford Alpaca's template
+    around the instruction) or `plain` (the prompt's own ids). A trained model must be prompted the same way."""
+    if src.format == "messages":
+        return "chat"
+    return "alpaca" if "instruction" in columns else "plain"
+
+
 def alpaca_prompt(instruction: str, input_text: str) -> str:
     if input_text.strip():
         return ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=input_text)
