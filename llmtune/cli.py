@@ -16,7 +16,7 @@ from collections.abc import Callable
 EXIT_USAGE = 2
 
 
-def _setup_logging() -> None:
+def setup_logging() -> None:
     # Only the main process speaks at INFO; the others report warnings and errors.
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     logging.basicConfig(
@@ -306,7 +306,7 @@ def training_error() -> type[BaseException]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _setup_logging()
+    setup_logging()
     func: Callable[[argparse.Namespace], int] = args.func
     # The except clauses import what they name only when something is raised: a plain `llmtune estimate`
     # never loads the training loop and the data pipeline (~1 s of imports).

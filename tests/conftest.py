@@ -124,37 +124,39 @@ def tiny_data(tmp_path_factory) -> Path:
     return write_tiny_data(tmp_path_factory.mktemp("tiny_data") / "train.jsonl")
 
 
-@pytest.fixture
-def tiny_recipe(tmp_path, tiny_model_dir, tiny_data):
-    """Write a recipe for a tiny run; keyword arguments are dotted overrides merged into it."""
+def write_recipe(path: Path, model_dir: Path, data: Path, **overrides) -> Path:
+    """A recipe for a tiny run written to `path`; keyword arguments are dotted overrides (`training__max_steps=2`)."""
     import yaml
 
-    def make(**overrides) -> Path:
-        recipe = {
-            "output_dir": str(tmp_path / "run"),
-            "seed": 0,
-            "model": {"name_or_path": str(tiny_model_dir), "random_init": True},
-            "data": {"train": [{"path": str(tiny_data)}], "max_length": 48},
-            "training": {
-                "precision": "fp32",
-                "gradient_checkpointing": True,  # fixed, as most tests check other things; tests of `auto` set it
-                "micro_batch_size": 4,
-                "global_batch_size": 8,
-                "max_steps": 4,
-                "learning_rate": 1e-3,
-                "warmup_steps": 1,
-            },
-            "logging": {"every_n_steps": 1, "progress_bar": False},
-            "checkpoint": {"resume": "none"},
-        }
-        for dotted, value in overrides.items():
-            *parents, last = dotted.split("__")
-            node = recipe
-            for part in parents:
-                node = node.setdefault(part, {})
-            node[last] = value
-        path = tmp_path / "recipe.yaml"
-        path.write_text(yaml.safe_dump(recipe))
-        return path
+    recipe = {
+        "output_dir": str(path.parent / "run"),
+        "seed": 0,
+        "model": {"name_or_path": str(model_dir), "random_init": True},
+        "data": {"train": [{"path": str(data)}], "max_length": 48},
+        "training": {
+            "precision": "fp32",
+            "gradient_checkpointing": True,  # fixed, as most tests check other things; tests of `auto` set it
+            "micro_batch_size": 4,
+            "global_batch_size": 8,
+            "max_steps": 4,
+            "learning_rate": 1e-3,
+            "warmup_steps": 1,
+        },
+        "logging": {"every_n_steps": 1, "progress_bar": False},
+        "checkpoint": {"resume": "none"},
+    }
+    for dotted, value in overrides.items():
+        *parents, last = dotted.split("__")
+        node = recipe
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    path.write_text(yaml.safe_dump(recipe))
+    return path
 
-    return make
+
+@pytest.fixture
+def tiny_recipe(tmp_path, tiny_model_dir, tiny_data):
+    """Write a recipe for a tiny run (tmp_path/recipe.yaml, output in tmp_path/run); keyword arguments are dotted
+    overrides merged into it."""
+    return lambda **overrides: write_recipe(tmp_path / "recipe.yaml", tiny_model_dir, tiny_data, **overrides)

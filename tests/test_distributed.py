@@ -62,9 +62,10 @@ def launch(
 # `after_run(recipe)` to write what it recorded during a run into that run's folder.
 RUNS = """
 import sys
-from llmtune.cli import build_parser, end_process_group
+from llmtune.cli import build_parser, end_process_group, setup_logging
 from llmtune.recipe import load_recipe
 from llmtune.train import train
+setup_logging()
 groups = [[]]
 for arg in sys.argv[1:]:
     groups.append([]) if arg == "+" else groups[-1].append(arg)

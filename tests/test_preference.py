@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import random
 import shutil
 import subprocess
 import sys
 import types
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_recipe
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import llmtune.preference as P
@@ -596,93 +598,116 @@ def test_dpo_resumes_exactly_after_sigkill(tiny_recipe, pairs_file, tmp_path):
     assert cache[0].stat().st_mtime_ns == stamp  # the resume read the reference cache, it did not recompute it
 
 
+# Process 1 does not see the reference cache (another node's disk, a shared one that lags).
+BLIND_TO_THE_CACHE = """
+import os, pathlib
+seen = pathlib.Path.is_file
+pathlib.Path.is_file = lambda p: seen(p) and not (os.environ["RANK"] == "1" and p.name.startswith("reference-"))
+"""
+# The dtype of the reference log-probs each process's PreferenceModel receives, in dtype-RANK of the run's folder.
+RECORD_REFERENCE_DTYPE = """
+import os
+from pathlib import Path
+import llmtune.preference as P
+forward, dtypes = P.PreferenceModel.forward, set()
+def recording(self, *args, **kwargs):
+    if kwargs.get("ref_logps") is not None:
+        dtypes.add(str(kwargs["ref_logps"].dtype))
+    return forward(self, *args, **kwargs)
+P.PreferenceModel.forward = recording
+def after_run(recipe):
+    Path(recipe.output_dir, "dtype-" + os.environ["RANK"]).write_text(" ".join(sorted(dtypes)))
+    dtypes.clear()
+"""
+
+
+@dataclass
+class PreferenceLaunch:
+    folder: Path  # each run's recipe is folder/NAME.yaml, its output folder/NAME
+    output: str  # the launch's stdout and stderr
+
+
+@pytest.fixture(scope="module")
+def dpo_launched(tmp_path_factory, tiny_model_dir, pairs_file) -> Callable[[str], PreferenceLaunch]:
+    """engine -> its one 2-process DPO launch (made on first use), training in turn "equal" (micro-batch 2, 3 steps)
+    and, under DDP, "blind" (a reference cache that process 1 cannot see, copied from the one-process run
+    "blind-one"), under FSDP2, "bf16" (1 step), each recording the dtype of the reference log-probs it received."""
+    from test_distributed import ROOT, RUNS, launch
+
+    from llmtune.train import train
+
+    done: dict[str, PreferenceLaunch] = {}
+    data = {"data__train": [{"path": str(pairs_file), "format": "preference"}], "data__max_length": 96}
+
+    def recipe(folder: Path, name: str, **overrides) -> list[str]:
+        path = write_recipe(folder / f"{name}.yaml", tiny_model_dir, pairs_file, training__objective="dpo", **data,
+                            training__micro_batch_size=2, **overrides)  # fmt: skip
+        return ["--recipe", str(path), f"output_dir={folder / name}"]
+
+    def get(engine: str) -> PreferenceLaunch:
+        if engine in done:
+            return done[engine]
+        folder = tmp_path_factory.mktemp(f"dpo-{engine}")
+        runs = [recipe(folder, "equal", training__max_steps=3)]
+        if engine == "ddp":
+            runs.append(recipe(folder, "blind", training__max_steps=2))
+            train(load_recipe(folder / "blind.yaml", [f"output_dir={folder / 'blind-one'}"]))
+            shutil.copytree(folder / "blind-one" / "reference", folder / "blind" / "reference")
+        else:
+            runs.append(recipe(folder, "bf16", training__max_steps=1, training__precision="bf16"))
+        entry = folder / "entry.py"
+        entry.write_text((BLIND_TO_THE_CACHE if engine == "ddp" else "") + RECORD_REFERENCE_DTYPE + RUNS)
+        config = ROOT / "recipes" / "accelerate" / "fsdp2.yaml" if engine == "fsdp2" else None
+        (_, first, out), *rest = runs
+        cmd = launch(Path(first), out, *(arg for run in rest for arg in ("+", *run)), config=config, script=entry)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        done[engine] = PreferenceLaunch(folder, proc.stdout + proc.stderr)
+        return done[engine]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
-def test_dpo_on_two_processes_equals_one(tiny_recipe, pairs_file, tmp_path, engine):
-    from test_distributed import ROOT, launch, losses
+def test_dpo_on_two_processes_equals_one(dpo_launched, tmp_path, engine):
+    from test_distributed import losses
 
-    recipe = preference_recipe(tiny_recipe, pairs_file, training__micro_batch_size=2, training__max_steps=3)
-    one = train_recipe(recipe, f"output_dir={tmp_path / 'one'}")
-    config = ROOT / "recipes" / "accelerate" / "fsdp2.yaml" if engine == "fsdp2" else None
-    proc = subprocess.run(
-        launch(recipe, f"output_dir={tmp_path / engine}", config=config), capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / engine / "run_summary.json").read_text())
+    folder = dpo_launched(engine).folder
+    one = train_recipe(folder / "equal.yaml", f"output_dir={tmp_path / 'one'}")
+    summary = json.loads((folder / "equal" / "run_summary.json").read_text())
     assert (summary["engine"], summary["num_processes"], summary["micro_batch_size"]) == (engine, 2, 2)
     assert summary["grad_accum_steps"] == 2 and summary["trained_tokens"] == one["trained_tokens"]
-    single, several = losses(tmp_path / "one"), losses(tmp_path / engine)
+    single, several = losses(tmp_path / "one"), losses(folder / "equal")
     for step in single:
         assert several[step] == pytest.approx(single[step], rel=1e-4), step
     # The reference cache was computed by both processes, each for its share, into the same values.
     (a,) = (tmp_path / "one" / "reference").glob("*.json")
-    (b,) = (tmp_path / engine / "reference").glob("*.json")
+    (b,) = (folder / "equal" / "reference").glob("*.json")
     assert a.name == b.name
     flat_a, flat_b = ([v for row in json.loads(f.read_text()) for v in row] for f in (a, b))
     assert flat_a == pytest.approx(flat_b, abs=1e-4)
 
 
-# Process 1 does not see the reference cache (another node's disk, a shared one that lags).
-BLIND_TO_THE_CACHE = """
-import os, pathlib, sys
-from llmtune.cli import main
-seen = pathlib.Path.is_file
-pathlib.Path.is_file = lambda p: seen(p) and not (os.environ["RANK"] == "1" and p.name.startswith("reference-"))
-sys.exit(main(["train", *sys.argv[1:]]))
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_reference_cache_one_process_cannot_see_is_read_once_and_shared(tiny_recipe, pairs_file, tmp_path):
+def test_a_reference_cache_one_process_cannot_see_is_read_once_and_shared(dpo_launched):
     """A cache hit is decided by the main process and its values sent to all: a process that missed the file alone
     computed alone and waited in collectives the others never joined."""
-    from test_distributed import launch
-
-    recipe = preference_recipe(tiny_recipe, pairs_file, training__micro_batch_size=2, training__max_steps=2)
-    train_recipe(recipe, f"output_dir={tmp_path / 'one'}")
-    shutil.copytree(tmp_path / "one" / "reference", tmp_path / "two" / "reference")
-    entry = tmp_path / "blind_finetune.py"
-    entry.write_text(BLIND_TO_THE_CACHE)
-    cmd = launch(recipe, f"output_dir={tmp_path / 'two'}", script=entry)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "reference log-probs: reusing" in proc.stderr
-    assert run_losses(tmp_path / "two") == pytest.approx(run_losses(tmp_path / "one"), rel=1e-4)
-
-
-# Each process writes the dtype of the reference log-probs its PreferenceModel receives to $DTYPES/RANK.
-RECORD_REFERENCE_DTYPE = """
-import os, sys
-from pathlib import Path
-import llmtune.preference as P
-from llmtune.cli import main
-forward = P.PreferenceModel.forward
-def recording(self, *args, **kwargs):
-    if kwargs.get("ref_logps") is not None:
-        Path(os.environ["DTYPES"], os.environ["RANK"]).write_text(str(kwargs["ref_logps"].dtype))
-    return forward(self, *args, **kwargs)
-P.PreferenceModel.forward = recording
-sys.exit(main(["train", *sys.argv[1:]]))
-"""
+    launched = dpo_launched("ddp")
+    assert "reference log-probs: reusing" in launched.output
+    assert run_losses(launched.folder / "blind") == pytest.approx(run_losses(launched.folder / "blind-one"), rel=1e-4)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_fsdp2_in_bf16_hands_the_reference_log_probs_over_in_fp32(tiny_recipe, pairs_file, tmp_path):
+def test_fsdp2_in_bf16_hands_the_reference_log_probs_over_in_fp32(dpo_launched):
     """FSDP2's root policy cast every float input to bf16: reference log-probs of -150.37 arrived as -150.0."""
-    from test_distributed import ROOT, launch
-
-    recipe = preference_recipe(tiny_recipe, pairs_file, training__micro_batch_size=2, training__max_steps=1)
-    entry = tmp_path / "dtype_finetune.py"
-    entry.write_text(RECORD_REFERENCE_DTYPE)
-    fsdp2 = ROOT / "recipes" / "accelerate" / "fsdp2.yaml"
-    cmd = launch(recipe, "training.precision=bf16", f"output_dir={tmp_path / 'run'}", config=fsdp2, script=entry)
-    proc = subprocess.run(cmd, env={**os.environ, "DTYPES": str(tmp_path)}, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((tmp_path / "run" / "run_summary.json").read_text())["engine"] == "fsdp2"
-    assert [(tmp_path / rank).read_text() for rank in ("0", "1")] == ["torch.float32", "torch.float32"]
+    run = dpo_launched("fsdp2").folder / "bf16"
+    summary = json.loads((run / "run_summary.json").read_text())
+    assert (summary["engine"], summary["precision"]) == ("fsdp2", "bf16")
+    assert [(run / f"dtype-{rank}").read_text() for rank in ("0", "1")] == ["torch.float32", "torch.float32"]
 
 
 def test_pairs_without_trained_tokens_add_nothing(tokenizer, pairs_file):
