@@ -581,7 +581,7 @@ def test_dpo_resumes_exactly_after_sigkill(tiny_recipe, pairs_file, tmp_path):
     from llmtune import checkpoint
 
     recipe = preference_recipe(tiny_recipe, pairs_file, training__max_steps=6, checkpoint__every_n_steps=2)
-    subprocess.run(entry(recipe, f"output_dir={tmp_path / 'ref'}"), check=True, capture_output=True)
+    train_recipe(recipe, f"output_dir={tmp_path / 'ref'}")  # uninterrupted, in this process
     reference = losses_by_step(tmp_path / "ref")
     run = tmp_path / "killed"
     entry_file = tmp_path / "pausing_entry.py"

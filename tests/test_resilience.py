@@ -18,7 +18,7 @@ import llmtune.train as train_module
 from llmtune import checkpoint
 from llmtune.cli import main
 from llmtune.recipe import load_recipe
-from llmtune.train import EXIT_PREEMPTED, TrainingError, build, fit, lr_factor
+from llmtune.train import EXIT_PREEMPTED, TrainingError, build, fit, lr_factor, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +77,7 @@ def start_and_kill_when(cmd: list[str], ready: Path, env: dict[str, str], timeou
 @pytest.mark.parametrize("precision,rtol", [("fp32", 1e-6), ("bf16", 1e-3)])
 def test_sigkill_after_checkpoint_then_resume_reproduces_losses(tiny_recipe, tmp_path, precision, rtol):
     recipe = tiny_recipe(training__precision=precision, training__max_steps=8, checkpoint__every_n_steps=2)
-    subprocess.run(entry(recipe, f"output_dir={tmp_path / 'ref'}"), check=True, capture_output=True)
+    train(load_recipe(recipe, [f"output_dir={tmp_path / 'ref'}"]))  # uninterrupted, in this process
     reference = losses_by_step(tmp_path / "ref")
 
     run = tmp_path / "killed"
