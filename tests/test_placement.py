@@ -184,12 +184,13 @@ def on_device(monkeypatch):
     if not hasattr(torch, "privateuseone"):
         backends._setup_privateuseone_for_python_backend(backend_module=Backend())
     monkeypatch.setattr(Accelerator, "device", property(lambda self: DEVICE))
-    # transformers has the `kernels` library choose layer implementations for the model's device type (on `train()`
-    # too); it knows no such device: the host's, where the data is.
-    kernelize = hub_kernels._kernels_kernelize
-    monkeypatch.setattr(
-        hub_kernels, "_kernels_kernelize", lambda model, device, **kw: kernelize(model, device="cpu", **kw)
-    )
+    # transformers (5.25; 5.17 has no such hook) has the `kernels` library choose layer implementations for the
+    # model's device type (on `train()` too); it knows no such device: the host's, where the data is.
+    kernelize = getattr(hub_kernels, "_kernels_kernelize", None)
+    if kernelize is not None:
+        monkeypatch.setattr(
+            hub_kernels, "_kernels_kernelize", lambda model, device, **kw: kernelize(model, device="cpu", **kw)
+        )
     mode = HostBackedDevice()
     with mode:
         yield mode
