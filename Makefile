@@ -63,12 +63,12 @@ test-floor:
 	$(FLOOR)/bin/python -m pytest -q -m "not slow and not multiprocess" $(ARGS)
 
 lint: install
-	$(PY) -m ruff check llmtune scripts tests
-	$(PY) -m ruff format --check llmtune scripts tests
+	$(PY) -m ruff check llmtune benchmarks scripts tests
+	$(PY) -m ruff format --check llmtune benchmarks scripts tests
 
 format: install
-	$(PY) -m ruff format llmtune scripts tests
-	$(PY) -m ruff check --fix llmtune scripts tests
+	$(PY) -m ruff format llmtune benchmarks scripts tests
+	$(PY) -m ruff check --fix llmtune benchmarks scripts tests
 
 clean:
 	rm -rf .venv .venv-floor runs .pytest_cache .ruff_cache *.egg-info
@@ -78,7 +78,7 @@ docs: install
 	t = p.read_text(); p.write_text(t[: t.index('| key |')] + reference())"
 	.venv/bin/llmtune schema > docs/recipe.schema.json
 
-# ---------------------------------------------------------------- the GPU check (scripts/gpu_check.py)
+# ---------------------------------------------------------------- the GPU check (benchmarks/gpu_check.py)
 # A GPU machine may reach no package registry: what its image lacks travels as wheels in .whl/ (git-ignored),
 # made here by `make gpu-wheels`. For the lent H200 (Python 3.12; torch, transformers, accelerate, peft
 # present): datasets and its needs, pyarrow (datasets 5.2 needs >= 24; installed there only if the image's
@@ -108,5 +108,5 @@ gpu-check:
 	    { PYTHONPATH=$(GPU_SITE) $(GPU_PY) -c "import datasets" 2>/dev/null || $(PIP_TARGET) .whl/pyarrow-*.whl; }; } \
 	  || echo "gpu-check: the wheels in .whl/ (for Python 3.12 on x86-64) do not install here; using this environment"; \
 	fi
-	PYTHONPATH=$(CURDIR):$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PY) scripts/gpu_check.py \
+	PYTHONPATH=$(CURDIR):$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PY) -m benchmarks.gpu_check \
 	  $$($(GPU_PY) -c "import torch; print('' if torch.cuda.is_available() else '--tiny')") $(ARGS)

@@ -168,7 +168,7 @@ def _measure_trials(
 
 def describe_budget(text: str, device_type: str) -> tuple[int, str]:
     """Bytes a process may use, and where that figure comes from (`auto`: the planner's default budget)."""
-    from llmtune.memory.plan import resolve_budget
+    from llmtune.memory import resolve_budget
     from llmtune.units import format_bytes
 
     budget = resolve_budget(text, device_type)
@@ -225,7 +225,7 @@ def estimate_kwargs(recipe: Any, precision: str, gradient_checkpointing: bool, d
     from dataclasses import replace
 
     from llmtune.loss import resolve_loss_impl
-    from llmtune.memory.plan import estimate_settings
+    from llmtune.memory import estimate_settings
     from llmtune.model import load_config
 
     trial = replace(recipe, training=replace(recipe.training, gradient_checkpointing=gradient_checkpointing))
@@ -239,14 +239,14 @@ def micro_batch_capacity(
 ) -> dict[str, Any]:
     """What fits the budget, from the memory estimator (pure: nothing is allocated or run).
 
-    - `planned_micro_batch_size`: what `llmtune.memory.plan.plan_micro_batch` picks for the recipe's global
+    - `planned_micro_batch_size`: what `llmtune.memory.plan_micro_batch` picks for the recipe's global
       batch (a divisor of it: what `training.micro_batch_size: auto` would train with);
     - `max_micro_batch_size`: the largest micro-batch in the budget, not capped by the recipe's batch (a
       small model fits its whole batch in any setting; this shows how much room each setting leaves).
     Sequences are taken at data.max_length (the planner's worst case).
     """
+    from llmtune.memory import MemoryPlanError, plan_micro_batch
     from llmtune.memory.estimate import estimate
-    from llmtune.memory.plan import MemoryPlanError, plan_micro_batch
     from llmtune.model import load_config
 
     config = load_config(recipe.model)
@@ -282,10 +282,10 @@ def planner_choice(recipe: Any, budget: int, device_type: str) -> list[str]:
     same micro-batch (estimated peaks, the time model's tokens/s), then everything it weighed."""
     from dataclasses import replace
 
-    from llmtune.loss import resolve_loss_impl
+    from llmtune.memory import MemoryPlanError, format_frontier
     from llmtune.memory.estimate import estimate
-    from llmtune.memory.plan import MemoryPlanError, estimate_settings, format_frontier, plan_for_budget, plan_rates
     from llmtune.model import load_config, resolve_precision
+    from llmtune.planning import plan_recipe
     from llmtune.recipe import Checkpointing
     from llmtune.units import format_bytes
 
@@ -293,12 +293,10 @@ def planner_choice(recipe: Any, budget: int, device_type: str) -> list[str]:
     config = load_config(recipe.model)
     device = "cuda" if device_type == "cuda" else "cpu"
     precision = resolve_precision(recipe.training.precision, device)
-    settings = estimate_settings(
-        auto, loss=resolve_loss_impl(recipe.training.loss, config), device=device, precision=precision
-    )
-    rates = plan_rates(device, precision, config)
     try:
-        plan = plan_for_budget(auto, config, settings, budget_bytes=budget, num_processes=1, rates=rates)
+        plan, settings = plan_recipe(
+            auto, config, device=device, budget_bytes=budget, num_processes=1, precision=precision
+        )
     except MemoryPlanError as err:
         return [f"planner: {err}"]
     layers, m = int(config.get_text_config().num_hidden_layers), plan.micro_batch_size
@@ -375,40 +373,46 @@ def run_bench(
         "budget_bytes": budget_bytes,
         "budget": budget_how,
     }
-    rows = []
-    for trial in trials:
-        row: dict[str, Any] = {
-            "precision": trial.precision,
-            "gradient_checkpointing": trial.gradient_checkpointing,
-            "peft": recipe.peft.method,
-            "skipped": trial.skipped,
-            "emulated": trial.emulated,
-            "peak_memory_bytes": None,
-            "tokens_per_s": None,
-            "max_micro_batch_size": None,
-        }
-        if trial.skipped is None:
-            row.update(_summarise(measured[trial.name], device_type, 1 if trial.emulated else WARMUP_STEPS))
-            try:
-                row.update(
-                    micro_batch_capacity(
-                        recipe, trial.precision, trial.gradient_checkpointing, budget_bytes, device_type
-                    )
-                )
-            except Exception as err:  # the estimator must not cost the measured figures
-                log.warning("bench: memory estimate failed for %s: %r", trial.name, err)
-                row["max_micro_batch_method"] = f"estimator failed: {type(err).__name__}: {err}"
-        rows.append({**row, "setup": setup})
+    rows = [{**_trial_row(trial, recipe, measured, budget_bytes, device_type), "setup": setup} for trial in trials]
     _add_ratios(rows)
-    for row in rows:
-        row["setup"]["total_s"] = round(time.perf_counter() - started, 1)
-        # CPU seconds of this process (all threads): on a machine others share, wall time overstates the cost.
-        row["setup"]["process_cpu_s"] = round(time.process_time() - cpu_started, 1)
+    setup["total_s"] = round(time.perf_counter() - started, 1)
+    # CPU seconds of this process (all threads): on a machine others share, wall time overstates the cost.
+    setup["process_cpu_s"] = round(time.process_time() - cpu_started, 1)
+    setup["planner"] = planner_choice(recipe, budget_bytes, device_type)
+    _write_outputs(rows, out_dir)
+    log.info("bench: %d trials x %d rounds in %.0f s; results in %s", len(measured), repeats, setup["total_s"], out_dir)
+    return rows
 
-    choice = planner_choice(recipe, budget_bytes, device_type)
-    for row in rows:
-        row["setup"]["planner"] = choice
+
+def _trial_row(trial: Trial, recipe: Any, measured: dict, budget_bytes: int, device_type: str) -> dict[str, Any]:
+    """A trial's figures: measured (peak, tokens/s) and estimated (the largest micro-batch within the budget)."""
+    row: dict[str, Any] = {
+        "precision": trial.precision,
+        "gradient_checkpointing": trial.gradient_checkpointing,
+        "peft": recipe.peft.method,
+        "skipped": trial.skipped,
+        "emulated": trial.emulated,
+        "peak_memory_bytes": None,
+        "tokens_per_s": None,
+        "max_micro_batch_size": None,
+    }
+    if trial.skipped is not None:
+        return row
+    row.update(_summarise(measured[trial.name], device_type, 1 if trial.emulated else WARMUP_STEPS))
+    try:
+        row.update(
+            micro_batch_capacity(recipe, trial.precision, trial.gradient_checkpointing, budget_bytes, device_type)
+        )
+    except Exception as err:  # the estimator must not cost the measured figures
+        log.warning("bench: memory estimate failed for %s: %r", trial.name, err)
+        row["max_micro_batch_method"] = f"estimator failed: {type(err).__name__}: {err}"
+    return row
+
+
+def _write_outputs(rows: list[dict[str, Any]], out_dir: Path) -> None:
+    """bench.json, bench.md (the table and the planner's choice) and bench.png (where matplotlib is installed)."""
     (out_dir / "bench.json").write_text(json.dumps(rows, indent=2) + "\n")
+    choice = rows[0]["setup"]["planner"]
     (out_dir / "bench.md").write_text(format_table(rows) + "\n\n" + "\n".join(choice) + "\n")
     try:
         from llmtune.plot import PlotDependencyError, plot_bench
@@ -416,8 +420,6 @@ def run_bench(
         plot_bench(rows, out_dir / "bench.png")
     except PlotDependencyError as err:
         log.warning("bench.png not written: %s", err)
-    log.info("bench: %d trials x %d rounds in %.0f s; results in %s", len(measured), repeats, setup["total_s"], out_dir)
-    return rows
 
 
 def _summarise(results: list[dict], device_type: str, warmup: int) -> dict[str, Any]:

@@ -22,8 +22,9 @@ import yaml
 from accelerate import Accelerator
 
 from llmtune import parallel
+from llmtune.errors import UserError
 from llmtune.files import replace_dir
-from llmtune.recipe import flatten
+from llmtune.recipe import Recipe, flatten
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,8 @@ PROMPT_LAYOUT_FILE = "prompt_layout.json"
 CONTINUITY_KEYS = ("model", "data", "seed", "peft", "training.global_batch_size", "training.optimizer")
 
 
-class ResumeError(RuntimeError):
-    pass
+class ResumeError(UserError, RuntimeError):
+    """The recipe asks to resume what cannot be resumed (not a checkpoint, or a different run)."""
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:
@@ -60,6 +61,32 @@ def resolve_resume(output_dir: str | Path, resume: str) -> Path | None:
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
         raise ResumeError(f"checkpoint.resume={resume}: not a complete llmtune checkpoint (no {STATE_FILE})")
+    return path
+
+
+def resume_point(r: Recipe) -> Path | None:
+    """The checkpoint this run continues, or None; refuses a resume that would be a different run.
+
+    Called before anything heavy loads, so a refusal costs nothing.
+    """
+    path = resolve_resume(r.output_dir, r.checkpoint.resume)
+    if path is None:
+        if r.checkpoint.resume == "none" and complete_checkpoints(r.output_dir):
+            # Starting over here would prune the earlier run's checkpoints as if they were ours.
+            raise ResumeError(
+                f"{r.output_dir} already holds checkpoints of an earlier run and checkpoint.resume=none: set"
+                " checkpoint.resume=auto to continue it, or use another output_dir (or delete this one)"
+            )
+        return None
+    breaking, harmless = continuity_problems(saved_recipe(path), r.to_dict())
+    if breaking:
+        raise ResumeError(
+            f"cannot resume from {path}: the recipe changed in ways that make it a different run:\n  "
+            + "\n  ".join(breaking)
+            + "\nStart a new output_dir, or set checkpoint.resume=none to start over here."
+        )
+    for change in harmless:
+        log.info("resume: recipe changed %s", change)
     return path
 
 
@@ -97,11 +124,7 @@ def save_checkpoint(
     root = checkpoints_root(output_dir)
     name = f"step-{step:06d}"
     tmp = _fresh_tmp(accelerator, root, name)
-    if engine == "fsdp2":
-        parallel.save_sharded(model, optimizer, tmp, trainable_only)
-    # DeepSpeed's engine leaves the frozen base out itself (save_trainable_only covers the others).
-    kwargs = {"exclude_frozen_parameters": trainable_only} if parallel.is_deepspeed(engine) else {}
-    accelerator.save_state(str(tmp), **kwargs)
+    parallel.save_state(accelerator, tmp, engine, model, optimizer, peft=trainable_only)
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         (tmp / "recipe.yaml").write_text(recipe_yaml)
@@ -140,10 +163,7 @@ def load_checkpoint(
     trainable_only: bool = False,
 ) -> dict[str, Any]:
     # Not strict only when the checkpoint was saved without the frozen base (save_trainable_only).
-    if engine == "fsdp2":
-        parallel.load_sharded(model, optimizer, path, trainable_only)
-    strict = {"load_module_strict" if parallel.is_deepspeed(engine) else "strict": not trainable_only}
-    accelerator.load_state(str(path), **strict)
+    parallel.load_state(accelerator, path, engine, model, optimizer, peft=trainable_only)
     return saved_state(path)
 
 

@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Callable
 
-EXIT_USAGE = 2
+from llmtune.errors import EXIT_PREEMPTED, LlmtuneError
 
 
 def setup_logging() -> None:
@@ -63,7 +63,7 @@ def _positive_int(text: str) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from llmtune.recipe import load_recipe
-    from llmtune.train import EXIT_PREEMPTED, train
+    from llmtune.train import train
 
     summary = train(load_recipe(args.recipe, args.overrides))
     end_process_group()
@@ -95,17 +95,9 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from llmtune.loss import resolve_loss_impl
-    from llmtune.memory.plan import (
-        MemoryPlanError,
-        estimate_settings,
-        format_plan,
-        plan_for_budget,
-        plan_rates,
-        planning_target,
-        recipe_for_model,
-    )
+    from llmtune.memory import MemoryPlanError, format_plan, planning_target, recipe_for_model
     from llmtune.model import resolve_config
+    from llmtune.planning import plan_recipe
     from llmtune.recipe import load_recipe
     from llmtune.units import format_bytes
 
@@ -129,12 +121,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         )
     model = recipe.model
     config = resolve_config(args.config or model.name_or_path, revision=model.revision)
-    settings = estimate_settings(
-        recipe, loss=resolve_loss_impl(recipe.training.loss, config), device=target.device, sharding=args.sharding
-    )
-    rates = plan_rates(target.device, settings["precision"], config, gpu=args.gpu)
-    plan = plan_for_budget(
-        recipe, config, settings, budget_bytes=target.budget_bytes, num_processes=args.num_processes, rates=rates
+    plan, _ = plan_recipe(
+        recipe,
+        config,
+        device=target.device,
+        budget_bytes=target.budget_bytes,
+        num_processes=args.num_processes,
+        sharding=args.sharding,
+        gpu=args.gpu,
     )
     if args.plot:
         from llmtune.plot import plot_estimate
@@ -273,51 +267,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean the user asked for something wrong or impossible (exit 2, no traceback)."""
-    from llmtune.catalogue import CatalogueError
-    from llmtune.checkpoint import ResumeError
-    from llmtune.data import DataError
-    from llmtune.generate import GenerateError
-    from llmtune.memory.plan import MemoryPlanError
-    from llmtune.metrics import TrackerError
-    from llmtune.model import SetupError
-    from llmtune.recipe import RecipeError
-    from llmtune.train import PlanError
-
-    return (
-        RecipeError,
-        DataError,
-        SetupError,
-        ResumeError,
-        TrackerError,
-        PlanError,
-        MemoryPlanError,
-        CatalogueError,
-        GenerateError,
-    )
-
-
-def training_error() -> type[BaseException]:
-    from llmtune.train import TrainingError
-
-    return TrainingError
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
     func: Callable[[argparse.Namespace], int] = args.func
-    # The except clauses import what they name only when something is raised: a plain `llmtune estimate`
-    # never loads the training loop and the data pipeline (~1 s of imports).
     try:
         return func(args)
-    except user_errors() as err:
-        print(f"llmtune: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    except training_error() as err:
-        print(f"llmtune: training stopped: {err}", file=sys.stderr)
-        return 1
+    except LlmtuneError as err:  # a user's mistake (exit 2) or a run that failed (exit 1): one line, no traceback
+        print(f"llmtune: {err.prefix}: {err}", file=sys.stderr)
+        return err.exit_code
     except KeyboardInterrupt:
         print("llmtune: interrupted", file=sys.stderr)
         return 130

@@ -23,6 +23,7 @@ import yaml
 
 from llmtune.checkpoint import PROMPT_LAYOUT_FILE
 from llmtune.data import alpaca_prompt, render_prompt
+from llmtune.errors import UserError
 from llmtune.merge import ADAPTER_CONFIG, WEIGHT_FILES
 
 # How common chat templates end a turn (ChatML / Qwen, Llama-3, Gemma, Phi-3, Command-R): a chat model ends its
@@ -30,7 +31,7 @@ from llmtune.merge import ADAPTER_CONFIG, WEIGHT_FILES
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|END_OF_TURN_TOKEN|>")
 
 
-class GenerateError(ValueError):
+class GenerateError(UserError, ValueError):
     """The folder given is not a trained run (or final/) that can be loaded; the message says why."""
 
 

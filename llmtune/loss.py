@@ -30,7 +30,7 @@ LossImpl = Literal["hf", "chunked"]
 
 # Model types whose ForCausalLM forward is `lm_head(last_hidden_state)` followed by transformers'
 # ForCausalLMLoss (checked against transformers 5.24), or one of the logit transforms the chunked
-# path reproduces (`_logit_transform`). `auto` picks chunked only for these.
+# path reproduces (`logit_transform`). `auto` picks chunked only for these.
 _PLAIN_MODEL_TYPES = frozenset(
     {
         "llama",
@@ -69,19 +69,19 @@ _UNSUPPORTED_ATTRS = {
 }
 
 
-def _text_config(config: Any) -> Any:
+def text_config(config: Any) -> Any:
     """The decoder's config: multimodal configs nest it under `text_config`."""
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config
 
 
-def _logit_transform(config: Any) -> tuple[float, float | None]:
+def logit_transform(config: Any) -> tuple[float, float | None]:
     """(scale, softcap) such that HF's logits are `softcap * tanh(scale * z / softcap)` (no softcap: `scale * z`).
 
     Covers Cohere (`logit_scale`, a multiplier), Granite (`logits_scaling`, a divisor) and Gemma 2/3
     (`final_logit_softcapping`). Raises ValueError for transforms the chunked path does not do.
     """
-    cfg = _text_config(config)
+    cfg = text_config(config)
     problems = [f"{name} ({what})" for name, what in _UNSUPPORTED_ATTRS.items() if getattr(cfg, name, None)]
     if getattr(cfg, "output_router_logits", False):
         problems.append("output_router_logits (the MoE auxiliary loss is added to HF's loss)")
@@ -104,7 +104,7 @@ def default_chunk_size(vocab_size: int) -> int:
     """Token rows per loss chunk: ~8 Mi logits (32 MiB in fp32) per chunk, kept between 128 and 1024 rows.
 
     At vocab 32000 that is 262 rows; at 128256, 128. Sizing chunks by bytes rather than a fixed 1024 rows
-    halves the loss buffers at vocab 32000 and costs no speed against HF's loss (scripts/bench_loss.py;
+    halves the loss buffers at vocab 32000 and costs no speed against HF's loss (benchmarks/loss.py;
     figures in benchmarks/results/measurements.md).
     """
     return max(128, min(1024, 2**23 // vocab_size))
@@ -121,9 +121,9 @@ def resolve_loss_impl(requested: Literal["auto", "hf", "chunked"], config: Any) 
         raise ValueError(f"loss_impl must be 'auto', 'hf' or 'chunked', got {requested!r}")
     if requested == "hf":
         return "hf"
-    model_type = getattr(_text_config(config), "model_type", None)
+    model_type = getattr(text_config(config), "model_type", None)
     try:
-        _logit_transform(config)
+        logit_transform(config)
     except ValueError:
         if requested == "chunked":
             raise
@@ -145,18 +145,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
-        hidden: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        labels: Tensor,
-        chunk_size: int,
-        ignore_index: int,
-        compute_dtype: torch.dtype,
-        scale: float,
-        softcap: float | None,
-        grad_enabled: bool,
+        ctx: Any, hidden, weight, bias, labels, chunk_size, ignore_index, compute_dtype, scale, softcap, grad_enabled
     ) -> Tensor:
+        # The arguments are `chunked_cross_entropy`'s, with the matmul's dtype and whether gradients are wanted.
         # needs_input_grad is True under no_grad too: evaluation must not pay for the gradients.
         need_h, need_w = (grad_enabled and ctx.needs_input_grad[i] for i in (0, 1))
         need_b = grad_enabled and bias is not None and ctx.needs_input_grad[2]
@@ -177,15 +168,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             idx = rows[start : start + chunk_size]
             h = hidden.index_select(0, idx).to(compute_dtype)
             target = labels.index_select(0, idx)
-            # Logits in the compute dtype, as the model's lm_head would produce them, then fp32. All
-            # further work is in place on this one chunk x V fp32 buffer.
-            z = F.linear(h, w, b).float()
-            if scale != 1.0:
-                z.mul_(scale)
-            tanh = None
-            if softcap is not None:
-                tanh = z.div_(softcap).tanh_()
-                z = tanh * softcap
+            # All further work is in place on this one chunk x V fp32 buffer.
+            z, tanh = chunk_logits(h, w, b, scale, softcap)
             # Stable log-sum-exp in place: z <- exp(z - max), lse = max + log(sum).
             z_max = z.amax(dim=1, keepdim=True)
             z.sub_(z_max)
@@ -198,11 +182,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             # d loss / d logits = softmax - onehot(target).
             grad = z.div_(sum_exp)
             grad.scatter_add_(1, target.unsqueeze(1), grad.new_full((idx.numel(), 1), -1.0))
-            if tanh is not None:
-                grad.mul_(1.0 - tanh.square_())
-                del tanh
-            if scale != 1.0:
-                grad.mul_(scale)
+            through_transform_(grad, tanh, scale)
+            del tanh
             if need_b:
                 grad_bias += grad.sum(0)
             grad_c = grad.to(compute_dtype)
@@ -237,6 +218,30 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         if grad_bias is not None:
             grad_bias = grad_bias.mul_(grad_output).to(bias_dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def chunk_logits(
+    h: Tensor, weight: Tensor, bias: Tensor | None, scale: float, softcap: float | None
+) -> tuple[Tensor, Tensor | None]:
+    """fp32 logits of one chunk as the model computes them: lm_head in the inputs' (compute) dtype, then fp32, then
+    its transform (`logit_transform`), in place on the one chunk x V fp32 buffer. Also the tanh of the softcap, which
+    the gradient needs (`through_transform_`); None without one."""
+    z = F.linear(h, weight, bias).float()
+    if scale != 1.0:
+        z.mul_(scale)
+    if softcap is None:
+        return z, None
+    tanh = z.div_(softcap).tanh_()
+    return tanh * softcap, tanh
+
+
+def through_transform_(grad: Tensor, tanh: Tensor | None, scale: float) -> None:
+    """The gradient w.r.t. a chunk's logits (`grad`, in place) carried back through `chunk_logits`' transform to
+    the lm_head's raw output. Consumes `tanh` (squared in place)."""
+    if tanh is not None:
+        grad.mul_(1.0 - tanh.square_())
+    if scale != 1.0:
+        grad.mul_(scale)
 
 
 def matmul_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
@@ -298,7 +303,7 @@ def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     return hf_model.get_decoder()
 
 
-def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The HF base model (decoder) and lm_head of a PreTrainedModel or a peft model around one."""
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder = decoder_of(model)
@@ -327,10 +332,10 @@ class CausalLMWithLoss(torch.nn.Module):
             raise ValueError(f"impl must be 'hf' or 'chunked' (resolve 'auto' first), got {impl!r}")
         self.model = model
         self.impl = impl
-        self.chunk_size = chunk_size or default_chunk_size(_text_config(model.config).vocab_size)
+        self.chunk_size = chunk_size or default_chunk_size(text_config(model.config).vocab_size)
         if impl == "chunked":
-            _decoder_and_head(model)  # refuse a model the chunked loss cannot run now, not at the first step
-            self.logit_scale, self.softcap = _logit_transform(model.config)
+            decoder_and_head(model)  # refuse a model the chunked loss cannot run now, not at the first step
+            self.logit_scale, self.softcap = logit_transform(model.config)
 
     def forward(
         self,
@@ -351,7 +356,7 @@ class CausalLMWithLoss(torch.nn.Module):
             )
             return out.loss.float()
 
-        decoder, head = _decoder_and_head(self.model)
+        decoder, head = decoder_and_head(self.model)
         hidden = decoder(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state

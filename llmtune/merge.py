@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmtune.errors import UserError
+
 if TYPE_CHECKING:
     import torch
 
@@ -48,7 +50,7 @@ WEIGHT_FILES = (
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-class MergeError(ValueError):
+class MergeError(UserError, ValueError):
     """The folder given cannot be merged; the message says why and what to do instead."""
 
 

@@ -34,6 +34,7 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from llmtune.catalogue import DATASHEET_PEAKS, datasheet_peak_flops  # noqa: F401 (DATASHEET_PEAKS: re-exported)
+from llmtune.errors import UserError
 from llmtune.model import numel
 from llmtune.recipe import flatten
 
@@ -48,7 +49,7 @@ TRACKER_MODULES = {
 }
 
 
-class TrackerError(ValueError):
+class TrackerError(UserError, ValueError):
     pass
 
 

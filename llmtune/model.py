@@ -1,8 +1,8 @@
-"""The causal LM: precision, loading, gradient checkpointing and adapters.
+"""The causal LM: precision, loading, and the transformations `llmtune.parallelize` applies to it.
 
-Everything here happens before the training loop, in the order the loop needs it: decide the precision
-for this device, load the tokenizer and the model in the dtype that precision implies, turn on
-gradient checkpointing through transformers' own API, then wrap with PEFT adapters.
+Decide the precision for this device, load the tokenizer and the model in the dtype that precision implies; the
+pieces the parallelize step applies in order (checkpointing through transformers' own API, PEFT adapters,
+regional compilation) are defined here, next to the model they change.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from llmtune.catalogue import MODELS, model_config_dir
+from llmtune.errors import UserError
 from llmtune.recipe import Checkpointing, ModelConfig, PeftConfig, Recipe, checkpointing_of
 
 log = logging.getLogger(__name__)
 
 
-class SetupError(RuntimeError):
+class SetupError(UserError, RuntimeError):
     """The recipe asks for something this machine cannot do; raised before any model loads."""
 
 
@@ -212,16 +213,10 @@ def check_attn_implementation(config: PretrainedConfig, attn: str, *, installed:
 
 
 def load_model(
-    recipe: Recipe,
-    precision: str,
-    config: PretrainedConfig,
-    device: torch.device | None = None,
-    checkpointing: Checkpointing | None = None,
+    recipe: Recipe, precision: str, config: PretrainedConfig, device: torch.device | None = None
 ) -> PreTrainedModel:
-    """Load (or randomly initialise, on `device`) the model, checkpoint its layers as `checkpointing` says (the
-    memory plan's choice; by default the recipe's, off for `auto`), wrap with adapters."""
-    if checkpointing is None:
-        checkpointing = checkpointing_of(recipe.training.gradient_checkpointing) or Checkpointing(0)
+    """Load (or randomly initialise, on `device`) the model in the dtype `precision` implies, in training mode's
+    config (no KV cache). Checkpointing, adapters and compilation are `llmtune.parallelize`'s."""
     cfg = recipe.model
     check_attn_implementation(config, cfg.attn_implementation)
     # Mixed precision keeps fp32 master weights; autocast makes the bf16/fp16 copies on the fly.
@@ -244,11 +239,6 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, revision=cfg.revision, **kwargs)
     # A KV cache is useless in training, costs memory, and lets packed examples attend to each other.
     model.config.use_cache = False
-    apply_checkpointing(model, checkpointing)
-    if recipe.peft.method != "none":
-        model = apply_peft(model, recipe.peft, gradient_checkpointing=checkpointing.enabled)
-    if recipe.training.compile:
-        compile_blocks(model)
     return model
 
 
@@ -260,7 +250,7 @@ def compile_blocks(model: torch.nn.Module) -> int:
     the whole model; `Module.compile` keeps module names and state-dict keys unchanged (checkpoints and
     adapters load either way), and checkpointing wraps the compiled block as it wraps an eager one. The
     loss (data-dependent chunking) and the embeddings stay eager. It pays on blocks with enough elementwise
-    work, after a one-off compile (scripts/bench_compile.py; figures in benchmarks/results/measurements.md).
+    work, after a one-off compile (benchmarks/compile.py; figures in benchmarks/results/measurements.md).
     """
     blocks = decoder_blocks(model, purpose="training.compile", remedy="set training.compile: false")
     if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # newer torch

@@ -146,6 +146,15 @@ class BF16AdamW(torch.optim.Optimizer):
         return loss
 
 
+def optimizer_choice(optimizer: str, precision: str, peft_method: str) -> str:
+    """What `make_optimizer` builds for `training.optimizer` at this precision, by the memory estimator's names:
+    AdamW on bf16 weights (bf16-true without adapters; adapters are fp32) is BF16AdamW, "adamw_bf16"; on any other
+    weights the fused AdamW, "adamw_fused"; adamw_8bit as asked."""
+    if optimizer != "adamw":
+        return optimizer
+    return "adamw_bf16" if precision == "bf16-true" and peft_method == "none" else "adamw_fused"
+
+
 def make_optimizer(model: torch.nn.Module, recipe: Recipe, device: torch.device) -> torch.optim.Optimizer:
     t = recipe.training
     decay, no_decay = [], []

@@ -30,18 +30,20 @@ from typing import Any, Literal, TypeVar
 import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
+from torch.nn import Module
+from torch.optim import Optimizer
 
 from llmtune.model import SetupError, decoder_blocks
 
 log = logging.getLogger(__name__)
 
 Engine = Literal["ddp", "fsdp2", "zero2", "zero3"]  # "ddp" also names a single process
-# The memory estimator's name for each engine's sharding (llmtune.memory.estimate.SHARDINGS).
+# The memory estimator's name for each engine's sharding (llmtune.memory.settings.SHARDINGS).
 SHARDING: dict[str, str] = {"ddp": "none", "fsdp2": "fsdp", "zero2": "zero2", "zero3": "zero3"}
 DCP_DIR = "sharded"  # FSDP2 checkpoints: model and optimizer shards, one file per process
 
 
-_fsdp_hidden = False  # this process set ACCELERATE_USE_FSDP to false after reading FSDP2 in it (accelerator_kwargs)
+_fsdp_hidden = False  # this process set ACCELERATE_USE_FSDP to false after reading FSDP2 in it (prepare_launch)
 
 
 def launched_engine() -> Engine:
@@ -66,11 +68,19 @@ def launched_engine() -> Engine:
     return "ddp"
 
 
-def accelerator_kwargs(engine: Engine, device_type: str) -> dict[str, Any]:
-    """How to build the Accelerator so that the processes form a real group on this device."""
-    if engine in ("zero2", "zero3"):
+def prepare_launch(engine: Engine, device_type: str) -> dict[str, Any]:
+    """Set this process up for the engine on this device, and return the Accelerator's keyword arguments that make
+    the processes form a real group there."""
+    if device_type == "cpu":
+        # Accelerate and transformers import DeepSpeed wherever it is installed (unwrapping a model to save it),
+        # which then warns that it found no GPU ("Setting accelerator to CPU") unless told it is on a CPU.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if is_deepspeed(engine):
+        if device_type != "cpu":
+            return {}
+        deepspeed_over_gloo()
         # DeepSpeed on CPUs: gloo, and no cpu=True (with it Accelerate drops DeepSpeed; platform notes).
-        return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]} if device_type == "cpu" else {}
+        return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
     if engine == "fsdp2":
         # Sharding is applied in `shard_fsdp2`; Accelerate must only form the group (MULTI_CPU / MULTI_GPU), and
         # transformers must load the whole model on every process. The next run of the process (a launch may train
@@ -79,6 +89,14 @@ def accelerator_kwargs(engine: Engine, device_type: str) -> dict[str, Any]:
         os.environ["ACCELERATE_USE_FSDP"], _fsdp_hidden = "false", True
     # Without cpu=True a CPU-only multi-process launch trains each process alone (platform notes).
     return {"cpu": device_type == "cpu"}
+
+
+def engine_in_use(engine: Engine) -> Engine:
+    """The engine the run trains with once the Accelerator formed the group: FSDP2 in one process without a process
+    group (on CPUs) has nothing to shard across, and runs as DDP's single process."""
+    if engine == "fsdp2" and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return "ddp"
+    return engine
 
 
 def deepspeed_over_gloo() -> None:
@@ -195,6 +213,21 @@ def backward(acc: Accelerator, engine: Engine, loss: torch.Tensor) -> None:
     acc.backward(loss, **({"scale_wrt_gas": False} if is_deepspeed(engine) else {}))
 
 
+def can_redo_step(acc: Accelerator, engine: Engine) -> bool:
+    """Whether a window that ran out of memory in a forward or backward can be redone in place, smaller: with
+    several processes the others may wait in a collective this one will never join; DeepSpeed keeps the window's
+    gradients in its own partitioned buffers, which its Accelerate wrapper's `zero_grad` (a no-op) does not clear,
+    and steps inside the last backward: a redone step would add the failed window's partial gradients to its own
+    (measured: another update than the step asked for)."""
+    return acc.num_processes == 1 and not is_deepspeed(engine)
+
+
+def skips_nonfinite_updates(acc: Accelerator, engine: Engine) -> bool:
+    """Whether the update keeps inf/nan gradients out of the weights itself: fp16's loss scaler skips such an
+    update; DeepSpeed stepped in its backward already (its own scaler, under fp16)."""
+    return acc.scaler is not None or is_deepspeed(engine)
+
+
 def clip_grad_norm(acc: Accelerator, engine: Engine, model: torch.nn.Module, max_norm: float) -> float:
     """Clip to the recipe's norm; returns the norm before clipping. With clipping off (max_norm <= 0) the norm is
     still measured: a non-finite one keeps the update out of the weights (train_step). DeepSpeed reports nan then."""
@@ -212,6 +245,20 @@ def clip_grad_norm(acc: Accelerator, engine: Engine, model: torch.nn.Module, max
         torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), max_norm, norm)
         return float(norm)
     return float(acc.clip_grad_norm_(model.parameters(), max_norm))
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> bool:
+    """Step; True when the update was skipped for inf/nan gradients (fp16 loss scaling).
+
+    Accelerate's `optimizer_step_was_skipped` misses this for fused optimizers: GradScaler hands them the
+    inf flag and the fused kernel skips internally, so the step still counts as taken. The scaler lowers
+    its scale exactly when it found inf/nan (it only ever grows otherwise), so the scale tells. Under
+    DeepSpeed the engine scales the loss itself (no scaler here) and Accelerate's flag reports its skips.
+    """
+    before = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+    optimizer.step()
+    dropped = before is not None and scaler.get_scale() < before
+    return dropped or bool(getattr(optimizer, "step_was_skipped", False))
 
 
 def full_state_dict(
@@ -258,7 +305,25 @@ def _dcp_options(trainable_only: bool):
     return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
 
-def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, trainable_only: bool) -> None:
+def save_state(acc: Accelerator, folder: Path, engine: Engine, model: Module, opt: Optimizer, peft: bool) -> None:
+    """Model, optimizer, scaler and RNG states into `folder` (all processes): FSDP2's model and optimizer as shards
+    (`sharded/`), the rest through Accelerate. Under PEFT only what trains is saved: DeepSpeed leaves the frozen base
+    out itself, the other engines through `checkpoint.save_trainable_only`."""
+    if engine == "fsdp2":
+        _save_sharded(model, opt, folder, peft)
+    kwargs = {"exclude_frozen_parameters": peft} if is_deepspeed(engine) else {}
+    acc.save_state(str(folder), **kwargs)
+
+
+def load_state(acc: Accelerator, folder: Path, engine: Engine, model: Module, opt: Optimizer, peft: bool) -> None:
+    """What `save_state` wrote, in place; not strict under PEFT, whose checkpoints hold no frozen base."""
+    if engine == "fsdp2":
+        _load_sharded(model, opt, folder, peft)
+    strict = {"load_module_strict" if is_deepspeed(engine) else "strict": not peft}
+    acc.load_state(str(folder), **strict)
+
+
+def _save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, trainable_only: bool) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -266,7 +331,7 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder / DCP_DIR))
 
 
-def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, trainable_only: bool) -> None:
+def _load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, trainable_only: bool) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

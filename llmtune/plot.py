@@ -14,10 +14,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from llmtune.errors import UserError
+
 CURVES_FILE = "curves.png"
 
 
-class PlotError(ValueError):
+class PlotError(UserError, ValueError):
     """Nothing to plot (no metrics.jsonl, no steps)."""
 
 

@@ -15,10 +15,17 @@ import os
 import signal
 import socket
 import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from llmtune.errors import EXIT_PREEMPTED
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 log = logging.getLogger(__name__)
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the run stopped on a signal; relaunch (resume: auto) to continue.
 # The least time a step, its evaluation and its checkpoint get after a signal; the loop raises it to 3x the longest
 # it has seen (`Preemption.grace_s`), so a slow step is never cut short.
 SIGNAL_GRACE_S = 60.0
@@ -51,6 +58,11 @@ class Preemption:
         self._woken.shutdown(socket.SHUT_RDWR)  # wakes the watcher's recv, which then returns
         self._woken.close()
         self._notify.close()
+
+    def requested_anywhere(self, acc: Accelerator) -> bool:
+        """True on every process when a signal reached any process (all must save together)."""
+        flag = torch.tensor(int(self.requested), device=acc.device)
+        return bool(acc.reduce(flag, reduction="sum"))
 
     def boundary(self) -> None:
         """Every process reached the step boundary after a signal: saving and stopping are the loop's now."""

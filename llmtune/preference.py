@@ -1,10 +1,10 @@
 """Preference tuning: DPO (sigmoid or IPO), ORPO and SimPO on chosen/rejected pairs.
 
-What differs from SFT lives here, so the loop (llmtune.train) stays one loop:
+The preference objective's machinery (llmtune.objectives.preference plugs it into the loop):
 
-* batch assembly (`collate_pairs`): a pair is two sequences (llmtune.data.pairs), chosen first. Packed,
-  rows hold whole pairs back to back with position ids restarting per sequence (transformers then
-  builds a block-diagonal mask, as for packed SFT); unpacked, each sequence gets its own padded row
+* batch assembly (`collate_pairs`, on `llmtune.data.collate`): a pair is two sequences (llmtune.data.pairs),
+  chosen first. Packed, rows hold whole pairs back to back with position ids restarting per sequence (transformers
+  then builds a block-diagonal mask, as for packed SFT); unpacked, each sequence gets its own padded row
   (chosen, rejected, chosen, ...; the layout TRL uses). `segment_ids` numbers the sequences of the
   micro-batch (2k chosen, 2k + 1 rejected of pair k; -1 on padding), so log-probabilities are summed per
   sequence the same way in both layouts.
@@ -35,14 +35,16 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from llmtune.data import IGNORE
+from llmtune.data import IGNORE, collate, sequences_of
 from llmtune.loss import (
     LossImpl,
-    _decoder_and_head,
-    _logit_transform,
-    _text_config,
+    chunk_logits,
+    decoder_and_head,
     default_chunk_size,
+    logit_transform,
     matmul_dtype,
+    text_config,
+    through_transform_,
 )
 from llmtune.recipe import PreferenceConfig
 
@@ -54,49 +56,26 @@ STATS = ("rewards_chosen", "rewards_rejected", "preference_accuracy")
 # ---------------------------------------------------------------- batches
 
 
-def sequences_of(row: dict[str, Any]) -> list[tuple[int, int]]:
-    """(start, end) of each sequence in a row, from its restarting position ids."""
-    positions = row["position_ids"]
-    starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
-    return list(zip(starts, starts[1:], strict=False))
-
-
 def collate_pairs(
     examples: list[dict], *, pad_token_id: int, packed: bool, pad_to_multiple_of: int | None = None
 ) -> dict[str, Tensor]:
-    """One micro-batch of pairs (see the module docstring); `ref_logps` [pairs, 2] when the rows carry them."""
+    """One micro-batch of pairs (see the module docstring): `collate`'s rows (unpacked, one per sequence) with
+    `segment_ids` and `pair_ids`, and `ref_logps` [pairs, 2] when the rows carry them."""
     if not examples:
         raise ValueError("collate_pairs: empty micro-batch")
-    if packed:
-        rows = [(e["input_ids"], e["labels"], e["position_ids"]) for e in examples]
-    else:  # one row per sequence
-        spans = [(e, a, b) for e in examples for a, b in sequences_of(e)]
-        rows = [(e["input_ids"][a:b], e["labels"][a:b], e["position_ids"][a:b]) for e, a, b in spans]
-    width = max(len(ids) for ids, _, _ in rows)
-    if pad_to_multiple_of:
-        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
-    shape = (len(rows), width)
-    input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
-    labels = torch.full(shape, IGNORE, dtype=torch.long)
-    segments = torch.full(shape, -1, dtype=torch.long)
-    positions = torch.zeros(shape, dtype=torch.long)
-    mask = torch.zeros(shape, dtype=torch.long)
+    keys = ("input_ids", "labels", "position_ids")
+    rows = examples if packed else [{k: e[k][a:b] for k in keys} for e in examples for a, b in sequences_of(e)]
+    batch = collate(rows, pad_token_id=pad_token_id, packed=packed, pad_to_multiple_of=pad_to_multiple_of)
+    segments = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)
     sequence = 0
-    for i, (ids, row_labels, row_positions) in enumerate(rows):
-        n = len(ids)
-        input_ids[i, :n] = torch.as_tensor(ids)
-        labels[i, :n] = torch.as_tensor(row_labels)
-        positions[i, :n] = torch.as_tensor(row_positions)
-        positions[i, n:] = torch.arange(width - n)  # padding: a block of its own, no labels
-        mask[i, :n] = 1
-        starts = (positions[i, :n] == 0).long()
-        segments[i, :n] = sequence + starts.cumsum(0) - 1
+    for i, row in enumerate(rows):
+        starts = (torch.as_tensor(row["position_ids"]) == 0).long()
+        segments[i, : len(starts)] = sequence + starts.cumsum(0) - 1
         sequence += int(starts.sum())
+    batch["segment_ids"] = segments
     # pair_ids [pairs]: its SHAPE tells the forward how many pairs there are, so the forward needs no
     # data-dependent count (the memory estimator traces it on fake tensors).
-    pair_ids = torch.arange(sequence // 2)
-    batch = {"input_ids": input_ids, "labels": labels, "segment_ids": segments, "pair_ids": pair_ids}
-    batch |= {"position_ids": positions} if packed else {"attention_mask": mask}
+    batch["pair_ids"] = torch.arange(sequence // 2)
     if "ref_logps" in examples[0]:
         values = [v for e in examples for v in e["ref_logps"]]
         batch["ref_logps"] = torch.tensor(values, dtype=torch.float32).view(-1, 2)
@@ -123,8 +102,9 @@ class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden, weight, bias, targets, chunk_size, compute_dtype, scale, softcap) -> Tensor:
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        w, b = weight.to(compute_dtype), None if bias is None else bias.to(compute_dtype)
         for start in range(0, hidden.shape[0], chunk_size):
-            z, _ = _chunk_logits(hidden[start : start + chunk_size], weight, bias, compute_dtype, scale, softcap)
+            z, _ = chunk_logits(hidden[start : start + chunk_size].to(compute_dtype), w, b, scale, softcap)
             target = targets[start : start + chunk_size].unsqueeze(1)
             out[start : start + chunk_size] = (z.gather(1, target) - z.logsumexp(1, keepdim=True)).squeeze(1)
         ctx.save_for_backward(hidden, weight, bias, targets)
@@ -140,18 +120,15 @@ class _TokenLogProbs(torch.autograd.Function):
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
-        w = weight.to(compute_dtype)
+        w, b = weight.to(compute_dtype), None if bias is None else bias.to(compute_dtype)
         for start in range(0, hidden.shape[0], chunk_size):
             h = hidden[start : start + chunk_size].to(compute_dtype)
-            z, tanh = _chunk_logits(h, weight, bias, compute_dtype, scale, softcap)
+            z, tanh = chunk_logits(h, w, b, scale, softcap)
             go = grad_out[start : start + chunk_size].float().unsqueeze(1)
             # d logp[target] / d logits = onehot(target) - softmax, times the upstream gradient.
             grad = z.softmax(1).mul_(-go)
             grad.scatter_add_(1, targets[start : start + chunk_size].unsqueeze(1), go)
-            if tanh is not None:
-                grad.mul_(1.0 - tanh.square())
-            if scale != 1.0:
-                grad.mul_(scale)
+            through_transform_(grad, tanh, scale)
             if need_b:
                 grad_b += grad.sum(0)
             grad_c = grad.to(compute_dtype)
@@ -162,16 +139,6 @@ class _TokenLogProbs(torch.autograd.Function):
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None, None, None
-
-
-def _chunk_logits(h, weight, bias, compute_dtype, scale, softcap) -> tuple[Tensor, Tensor | None]:
-    """fp32 logits of one chunk as the model computes them (lm_head in the compute dtype, then its transform)."""
-    z = F.linear(h.to(compute_dtype), weight.to(compute_dtype), None if bias is None else bias.to(compute_dtype))
-    z = z.float() * scale
-    if softcap is None:
-        return z, None
-    tanh = (z / softcap).tanh()
-    return tanh * softcap, tanh
 
 
 def token_logps(
@@ -207,10 +174,10 @@ def sequence_logps(
     segments = F.pad(batch["segment_ids"], (0, 1), value=-1)[:, 1:].reshape(-1)
     rows = (targets != IGNORE).nonzero().squeeze(1)
     if impl == "chunked":
-        decoder, head = _decoder_and_head(model)
+        decoder, head = decoder_and_head(model)
         hidden = decoder(**inputs, use_cache=False).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-        scale, cap = _logit_transform(model.config)
+        scale, cap = logit_transform(model.config)
         logps = token_logps(
             hidden, head.weight, targets[rows], bias=head.bias, chunk_size=chunk_size, logit_scale=scale, softcap=cap
         )
@@ -320,7 +287,7 @@ class PreferenceModel(torch.nn.Module):
         super().__init__()
         self.model = model
         self.impl, self.objective, self.cfg, self.reference = impl, objective, cfg, reference
-        self.chunk_size = chunk_size or default_chunk_size(_text_config(model.config).vocab_size)
+        self.chunk_size = chunk_size or default_chunk_size(text_config(model.config).vocab_size)
         self._reference_model = (reference_model,)  # a tuple: not registered as a submodule
 
     def reference_logps(self, batch: dict[str, Tensor]) -> Tensor:

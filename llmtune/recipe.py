@@ -18,11 +18,13 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from llmtune.errors import UserError
+
 Precision = Literal["auto", "bf16", "fp16", "fp32", "bf16-true"]
 COMMAND_LINE = "<command line>"
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError, ValueError):
     """Every problem found in a recipe, reported together."""
 
     def __init__(self, problems: list[str]):

@@ -8,12 +8,12 @@ import pytest
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked `gpu` show what only a CUDA GPU can (scripts/gpu_check.py runs them there)."""
+    """Tests marked `gpu` show what only a CUDA GPU can (benchmarks/gpu_check.py runs them there)."""
     import torch
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (scripts/gpu_check.py runs these on one)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (benchmarks/gpu_check.py runs these on one)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

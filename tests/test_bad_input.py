@@ -243,3 +243,26 @@ def test_launcher_config_llmtune_cannot_run(env, named, ctx, capsys, monkeypatch
         monkeypatch.setenv(key, value)
     before = tree(ctx.tmp)
     check(main(["train", "--recipe", str(ctx.recipe)]), capsys.readouterr().err, named, before, ctx)
+
+
+def test_every_error_class_exits_by_its_base():
+    """Each module's error class derives from llmtune.errors' bases, so the CLI maps it without a list to keep in
+    step: a user's mistake exits 2, a failed run 1; the classes stay the ValueError/RuntimeError callers catch."""
+    from llmtune.catalogue import CatalogueError
+    from llmtune.checkpoint import ResumeError
+    from llmtune.data import DataError
+    from llmtune.errors import EXIT_FAILED, EXIT_USAGE, RunFailed, UserError
+    from llmtune.generate import GenerateError
+    from llmtune.memory import MemoryPlanError
+    from llmtune.merge import MergeError
+    from llmtune.metrics import TrackerError
+    from llmtune.model import SetupError
+    from llmtune.plot import PlotError
+    from llmtune.recipe import RecipeError
+    from llmtune.train import PlanError, TrainingError
+
+    user = [RecipeError, DataError, SetupError, ResumeError, TrackerError, PlanError, MemoryPlanError, CatalogueError]
+    for cls in [*user, GenerateError, MergeError, PlotError]:
+        assert issubclass(cls, UserError) and cls.exit_code == EXIT_USAGE, cls
+    assert issubclass(TrainingError, RunFailed) and TrainingError.exit_code == EXIT_FAILED
+    assert issubclass(RecipeError, ValueError) and issubclass(SetupError, RuntimeError)

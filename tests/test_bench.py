@@ -227,20 +227,21 @@ def test_bench_parser_wires_a_subcommand():
 
 @pytest.mark.slow
 def test_bench_vs_hf_runs_both_tools_on_the_same_work(tmp_path):
-    """scripts/bench_vs_hf.py end to end at a toy size: in the identical mode both tools must do the same
+    """`python -m benchmarks.vs_hf` end to end at a toy size: in the identical mode both tools must do the same
     work (same losses) at no more memory for llmtune; the defaults mode must pick its own settings."""
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_vs_hf.py"
+    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "vs_hf.json"
     args = ["--layers", "1", "--hidden", "128", "--max-length", "128", "--vocab", "2000", "--timed-steps", "1"]
     args += ["--rounds", "1"]
     proc = subprocess.run(
-        [sys.executable, str(script), *args, "--modes", "identical", "defaults", "--output", str(out)],
+        [sys.executable, "-m", "benchmarks.vs_hf", *args, "--modes", "identical", "defaults", "--output", str(out)],
         capture_output=True,
         text=True,
+        cwd=root,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -15,6 +15,10 @@ import torch.nn.functional as F
 
 from llmtune import data as D
 from llmtune.data import IGNORE, DataError, batch_for_step, collate, eval_batches, prepare_data
+from llmtune.data.batch import _epoch_order
+from llmtune.data.mix import mixture_counts, mixture_indices
+from llmtune.data.pack import first_fit
+from llmtune.data.tokenise import tokenise_source
 from llmtune.recipe import DataConfig, SourceConfig
 
 datasets.disable_progress_bars()
@@ -303,11 +307,11 @@ def test_eval_source_is_used_as_given(tmp_path, tokenizer):
 
 
 def test_mixture_counts_follow_the_weights():
-    assert D.mixture_counts([100, 100], [3.0, 1.0]) == [150, 50]
-    assert D.mixture_counts([10, 990], [1.0, 1.0]) == [500, 500]
-    assert sum(D.mixture_counts([7, 11, 13], [0.2, 0.3, 0.5])) == 31
-    assert D.mixture_counts([5], [9.0]) == [5]
-    rows = D.mixture_indices(10, 25, seed=[0])
+    assert mixture_counts([100, 100], [3.0, 1.0]) == [150, 50]
+    assert mixture_counts([10, 990], [1.0, 1.0]) == [500, 500]
+    assert sum(mixture_counts([7, 11, 13], [0.2, 0.3, 0.5])) == 31
+    assert mixture_counts([5], [9.0]) == [5]
+    rows = mixture_indices(10, 25, seed=[0])
     assert Counter(Counter(rows.tolist()).values()) == {3: 5, 2: 5}  # two full passes, then 5 distinct rows
 
 
@@ -329,7 +333,7 @@ def test_mixture_of_sources_contributes_in_proportion(tmp_path, tokenizer):
 def test_first_fit_packs_every_example_once_within_capacity():
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 50, size=500)
-    rows = D.first_fit(lengths, 64)
+    rows = first_fit(lengths, 64)
     assert sorted(i for row in rows for i in row) == list(range(500))
     assert all(sum(lengths[row]) <= 64 for row in rows)
     assert len(rows) < 1.15 * lengths.sum() / 64 + 1  # first-fit stays near the lower bound
@@ -458,7 +462,7 @@ def test_batch_for_step_is_deterministic_and_starts_anywhere():
     data = _toy(50)
     kw = {"global_batch_size": 8, "seed": 5, "rank": 1, "world_size": 2, "group_by_length": True}
     in_order = [_ids(batch_for_step(data, step=s, **kw)) for s in range(20)]
-    D._epoch_order.cache_clear()
+    _epoch_order.cache_clear()
     assert _ids(batch_for_step(data, step=17, **kw)) == in_order[17]
     assert [_ids(batch_for_step(data, step=s, **kw)) for s in reversed(range(20))] == in_order[::-1]
     other_seed = dict(kw, seed=6)
@@ -520,8 +524,8 @@ def test_eval_batches_shard_disjointly_with_equal_batch_counts():
 
 def test_tokenisation_is_cached_by_fingerprint(tmp_path, tokenizer):
     cfg = config(SourceConfig(path=str(write_jsonl(tmp_path / "p.jsonl", PC_ROWS))))
-    first = D._load_tokenised(cfg.train[0], cfg, tokenizer)
-    second = D._load_tokenised(cfg.train[0], cfg, tokenizer)
+    first = tokenise_source(cfg.train[0], cfg, tokenizer)
+    second = tokenise_source(cfg.train[0], cfg, tokenizer)
     assert first.data._fingerprint == second.data._fingerprint
     assert first.data.cache_files and first.data.cache_files == second.data.cache_files
 
@@ -575,7 +579,7 @@ def test_hub_ids_go_through_load_dataset(monkeypatch, tokenizer):
         calls.append((path, name, split))
         return datasets.Dataset.from_list(PC_ROWS)
 
-    monkeypatch.setattr(D.datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     src = SourceConfig(path="someorg/some-dataset", subset="clean", split="train[:10%]")
     prepared = prepare_data(config(src), tokenizer, seed=0)
     assert calls == [("someorg/some-dataset", "clean", "train[:10%]")]

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py at toy size on a CPU, so the one-shot GPU check cannot rot between GPU sessions."""
+"""`python -m benchmarks.gpu_check` at toy size on a CPU, so the one-shot GPU check cannot rot between GPU sessions."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ CUDA_SECTIONS = ("fp16", "gpu_tests", "fsdp2", "deepspeed_zero3", "fsdp2_dpo", "
 
 @pytest.mark.slow
 def test_gpu_check_tiny_runs_every_section_and_writes_its_results(tmp_path):
-    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--tiny", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--tiny", "--out", str(tmp_path)]  # as `make gpu-check`
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [path] = tmp_path.glob("gpu-tiny-*.json")
     sections = json.loads(path.read_text())["sections"]

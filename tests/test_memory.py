@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaC
 
 from llmtune.data import collate
 from llmtune.loss import CausalLMWithLoss
+from llmtune.memory import MemoryPlanError, default_budget, plan_micro_batch
 from llmtune.memory.estimate import LoraSpec, estimate
 from llmtune.memory.measure import PeakMemoryTracker
-from llmtune.memory.plan import MemoryPlanError, default_budget, plan_micro_batch
 from llmtune.model import apply_checkpointing
 from llmtune.optim import BF16AdamW
 from llmtune.recipe import Checkpointing

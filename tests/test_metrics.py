@@ -180,7 +180,7 @@ def test_plot_errors_are_clear(tmp_path, monkeypatch, capsys):
 def test_plot_estimate_draws_memory_against_speed(tiny_recipe, tmp_path):
     from transformers import AutoConfig
 
-    from llmtune.memory.plan import plan_micro_batch
+    from llmtune.memory import plan_micro_batch
     from llmtune.plot import plot_estimate
     from llmtune.recipe import load_recipe
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from dataclasses import replace
@@ -12,9 +11,11 @@ import torch
 from test_memory import assert_close, measured_peak, real_batch, tiny_config
 
 from llmtune.cli import main
+from llmtune.memory import checkpointing_choices, plan_micro_batch
+from llmtune.memory.cache import clear_traces
 from llmtune.memory.estimate import estimate, estimate_all
-from llmtune.memory.plan import checkpointing_choices, plan_micro_batch
-from llmtune.memory.speed import (
+from llmtune.recipe import Checkpointing, RecipeError, load_recipe
+from llmtune.timing import (
     CPU_PROBE_FLOPS,
     Rates,
     Work,
@@ -26,7 +27,6 @@ from llmtune.memory.speed import (
     measure_rates,
     narrow_model,
 )
-from llmtune.recipe import Checkpointing, RecipeError, load_recipe
 
 # Fixed rates: the choice then depends on the traced work only, the same on every machine.
 RATES = Rates(flops_per_s=1e11, bytes_per_s=2e10, seconds_per_op=2e-5, source="test")
@@ -75,12 +75,11 @@ def test_forked_traces_equal_in_process_ones_and_the_first_warms_the_parent(monk
     inherit FakeTensorMode's dispatch cache instead of each filling its own. Forked or not, the same estimates."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    module = importlib.import_module("llmtune.memory.estimate")
     cfg = tiny_config("llama", layers=6)
     settings = [dict(micro_batch_size=2, gradient_checkpointing=c, **KW) for c in (False, True, Checkpointing(2))]
 
     def fresh() -> list:
-        module._TRACES.clear()
+        clear_traces()
         FakeTensorMode.cache_clear()
         return estimate_all(cfg, settings, max_traced_layers=1)  # 6 layers traced at 1 and 2: 6 traces
 

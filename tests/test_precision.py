@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmtune.optim import BF16AdamW, make_optimizer, stochastic_round_
-from llmtune.train import optimizer_step
+from llmtune.parallel import optimizer_step
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 

@@ -65,7 +65,7 @@ def write_recipe(folder: Path, model_dir: Path, data: Path, method: str, engine:
             "max_steps": STEPS,
             "learning_rate": 1e-2 if method == "lora" else 1e-3,
             "warmup_steps": 1,
-            # Checkpointing on (the default), except where ZeRO-3 refuses it with LoRA (train.make_accelerator).
+            # Checkpointing on (the default), except where ZeRO-3 refuses it with LoRA (launch.check_engine).
             "gradient_checkpointing": not (engine == "zero3" and method == "lora"),
         },
         "peft": {"method": method, "rank": 4},
@@ -324,7 +324,7 @@ def failing(real, at):
 if where == "backward":
     llmtune.parallel.backward = failing(llmtune.parallel.backward, 5)
 else:
-    llmtune.train.optimizer_step = failing(llmtune.train.optimizer_step, 3)
+    llmtune.parallel.optimizer_step = failing(llmtune.parallel.optimizer_step, 3)
 sys.exit(main(["train", *sys.argv[1:]]))
 """
 
@@ -370,13 +370,13 @@ llmtune.train.fit = record_plan
 # Two clocks that rank the candidates in opposite orders: on rank 0 small micro-batches run fastest (the FLOP rate
 # falls with the rows), on rank 1 large ones (every op costs a second), as a loaded host and an idle one disagree.
 SKEWED_CLOCKS = """
-import llmtune.memory.speed
-from llmtune.memory.speed import Rates
+import llmtune.timing
+from llmtune.timing import Rates
 rates = {
     "0": Rates(1e11, 2e10, 1e-9, "rank 0's clock", flops_by_rows=((48, 1e12), (192, 1e8))),
     "1": Rates(1e11, 2e10, 1.0, "rank 1's clock"),
 }[os.environ["RANK"]]
-llmtune.memory.speed.measure_rates = lambda *args, **kwargs: rates
+llmtune.timing.measure_rates = lambda *args, **kwargs: rates
 """
 # Process 1 does not see the out-of-memory file (another node's disk, a shared one that lags).
 UNSEEN_FILE = """

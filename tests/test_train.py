@@ -249,3 +249,20 @@ def test_a_pretrained_model_trains_in_training_mode(tiny_recipe, tmp_path):
     hf_model.model.layers[0].register_forward_pre_hook(lambda m, _a: modes.append(m.training))
     fit(run)
     assert modes and all(modes)
+
+
+@pytest.mark.parametrize(
+    "precision,peft", [("fp32", "none"), ("bf16-true", "none"), ("bf16-true", "lora")], ids=["fp32", "bf16", "lora"]
+)
+def test_estimator_names_the_optimizer_training_builds(tiny_recipe, precision, peft):
+    """`optim.optimizer_choice` (what the memory estimator traces) names the optimizer `make_optimizer` builds from
+    the adapted model's parameters."""
+    from llmtune.model import load_config, load_model
+    from llmtune.optim import BF16AdamW, make_optimizer, optimizer_choice
+    from llmtune.parallelize import adapt
+
+    recipe = load_recipe(tiny_recipe(training__precision=precision, peft__method=peft))
+    model = adapt(load_model(recipe, precision, load_config(recipe.model)), recipe)
+    built = make_optimizer(model, recipe, torch.device("cpu"))
+    expected = {"adamw_bf16": BF16AdamW, "adamw_fused": torch.optim.AdamW}[optimizer_choice("adamw", precision, peft)]
+    assert type(built) is expected

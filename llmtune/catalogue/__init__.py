@@ -11,6 +11,8 @@ import difflib
 import re
 from pathlib import Path
 
+from llmtune.errors import UserError
+
 CATALOGUE_DIR = Path(__file__).parent
 
 # Catalogue name -> the hub repository its config.json comes from (shown in the plan, and where the weights are).
@@ -60,7 +62,7 @@ _GPU_ALIASES = {
 }
 
 
-class CatalogueError(ValueError):
+class CatalogueError(UserError, ValueError):
     """A name the catalogue does not know; the message lists what it does know."""
 
 

@@ -19,6 +19,7 @@ import logging
 import re
 from typing import Any
 
+from llmtune.errors import UserError
 from llmtune.recipe import SourceConfig
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ CHATML_TEMPLATE = (
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad training data, found before training: one line naming the file, the row and the field.
 
     Rows are numbered from 1 in the order the source yields them (a JSON Lines file's line number when
@@ -104,7 +105,7 @@ def resolve_columns(src: SourceConfig, columns: list[str]) -> dict[str, str]:
     return wanted
 
 
-def _source_fields(src: SourceConfig, columns: list[str]) -> dict[str, str]:
+def source_fields(src: SourceConfig, columns: list[str]) -> dict[str, str]:
     """resolve_columns, or (when columns are missing) the names it would want, for diagnosing a row."""
     try:
         return resolve_columns(src, columns)

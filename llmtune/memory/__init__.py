@@ -3,13 +3,31 @@
 - `estimate(config, ...)`: predicted steady-state peak of one training micro-step, with a breakdown.
 - `PeakMemoryTracker`: measured peak (live tensor bytes on CPU, the allocator's peak on CUDA),
   optionally enforcing a budget with a real `torch.OutOfMemoryError`.
-- `plan_micro_batch(config, ...)`: the largest micro-batch that fits a budget and divides the
+- `plan_micro_batch(config, ...)`: the fastest micro-batch and checkpointing that fit a budget and divide the
   global batch; `default_budget(device)` for `memory.budget: auto`.
+
+The modules, in the order data flows through them:
+- `settings`: what an estimate takes, checked; `step`: what the traced step runs (model, optimizer, batch, module);
+- `counter`, `sharding`, `offload`, `trace`: one step traced on fake tensors (with `kernels`, `allocator` for what
+  cannot run here); `extrapolate`, `cache`: deep models from short traces, cached and run in parallel;
+- `estimate`: the `MemoryEstimate` of a step; `measure`: the measured peak of a real one;
+- `plan`: the `BatchPlan`; `search`: the planner; `budget`: the budget; `from_recipe`: a recipe's settings, rates and
+  plan; `report`: the plan as text. The time model is `llmtune.timing`.
 """
 
-from llmtune.memory.estimate import LoraSpec, MemoryEstimate, estimate
+from llmtune.memory.budget import default_budget, planning_target, resolve_budget
+from llmtune.memory.estimate import LoraSpec, MemoryEstimate, estimate, estimate_all
+from llmtune.memory.from_recipe import (
+    estimate_settings,
+    expandable_segments,
+    plan_for_budget,
+    plan_rates,
+    recipe_for_model,
+)
 from llmtune.memory.measure import PeakMemoryTracker
-from llmtune.memory.plan import BatchPlan, MemoryPlanError, default_budget, plan_micro_batch
+from llmtune.memory.plan import BatchPlan, MemoryPlanError
+from llmtune.memory.report import format_frontier, format_plan
+from llmtune.memory.search import checkpointing_choices, plan_micro_batch
 from llmtune.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -18,9 +36,20 @@ __all__ = [
     "MemoryEstimate",
     "MemoryPlanError",
     "PeakMemoryTracker",
+    "checkpointing_choices",
     "default_budget",
     "estimate",
+    "estimate_all",
+    "estimate_settings",
+    "expandable_segments",
     "format_bytes",
+    "format_frontier",
+    "format_plan",
     "parse_bytes",
+    "plan_for_budget",
     "plan_micro_batch",
+    "plan_rates",
+    "planning_target",
+    "recipe_for_model",
+    "resolve_budget",
 ]

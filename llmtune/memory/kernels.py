@@ -6,7 +6,7 @@ this machine is counted as it really happens. What users plan for but cannot run
 CUDA step differs from the CPU one in autocast's op lists and in its attention kernels. Each is replaced,
 inside the trace only, by a stand-in that allocates and keeps what the real kernel allocates and keeps
 (values are never computed: the tensors are fake). Each stand-in names the source it follows; if that
-source changes, so must the stand-in. These are checked on a GPU by scripts/gpu_check.py, not here.
+source changes, so must the stand-in. These are checked on a GPU by benchmarks/gpu_check.py, not here.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The time model: how long a training step takes, from what the memory estimate's trace computes.
 
-The estimator runs the whole step on fake tensors (`estimate.py`), recomputation under checkpointing
+The estimator runs the whole step on fake tensors (`llmtune.memory`), recomputation under checkpointing
 included, and counts its work (`Work`): the FLOPs of its matmuls and attention (torch's own formulas,
 `torch.utils.flop_counter`), the bytes every other op reads and writes (element-wise ops, norms, the
 optimizer: bound by memory bandwidth), and the number of ops (each costs a fixed dispatch overhead, which
@@ -103,6 +103,11 @@ class Rates:
         # Offloading's copies run on the compute stream (transformers' save_on_cpu): they add to the step.
         compute = work.flops / self.flop_rate(rows) + work.bytes / self.bytes_per_s + work.ops * self.seconds_per_op
         return compute + work.host_bytes / self.host_bytes_per_s
+
+
+# For a device this machine cannot measure and no datasheet names: they rank a planner's candidates, but forecast
+# no time.
+NOMINAL_RATES = Rates(1e12, 1e12, 1e-5, "nominal rates (no device to measure): a ranking, not a forecast")
 
 
 def _best_of(fn: Any, repeats: int, sync: Any, pick: Callable[[list[float]], float] = min) -> float:

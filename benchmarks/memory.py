@@ -1,8 +1,8 @@
 """Memory estimator accuracy on CPU, and the micro-batch picker against accelerate's OOM retry.
 
-    python scripts/bench_memory.py            # full accuracy matrix -> memory_accuracy_cpu.json
-    python scripts/bench_memory.py --quick    # a subset (minutes)
-    python scripts/bench_memory.py --picker   # picker benchmark -> picker_cpu.json
+    python -m benchmarks.memory            # full accuracy matrix -> memory_accuracy_cpu.json
+    python -m benchmarks.memory --quick    # a subset (minutes)
+    python -m benchmarks.memory --picker   # picker benchmark -> picker_cpu.json
 
 Accuracy: for each case (architecture x packed or padded rows x HF or chunked loss x LoRA x
 checkpointing x precision) a tiny model, built and trained as `llmtune train` builds and trains it
@@ -43,17 +43,18 @@ from transformers import (
     Qwen3Config,
 )
 
+from benchmarks import RESULTS
 from llmtune.data import collate
 from llmtune.loss import CausalLMWithLoss
+from llmtune.memory import MemoryPlanError, estimate_settings, plan_micro_batch
 from llmtune.memory.estimate import MemoryEstimate, estimate
 from llmtune.memory.measure import PeakMemoryTracker
-from llmtune.memory.plan import MemoryPlanError, estimate_settings, plan_micro_batch
 from llmtune.model import load_model
 from llmtune.optim import make_optimizer
+from llmtune.parallelize import adapt
 from llmtune.recipe import DataConfig, ModelConfig, PeftConfig, Recipe, TrainingConfig
 from llmtune.units import format_bytes
 
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 VOCAB = 1024
 
 
@@ -146,7 +147,7 @@ def build(case: Case, cfg: transformers.PretrainedConfig):
     """The model, loss module and optimizer as the training loop builds them for `case`."""
     recipe = case.recipe()
     torch.manual_seed(0)
-    model = load_model(recipe, case.precision, cfg)
+    model = adapt(load_model(recipe, case.precision, cfg), recipe)
     model.train()
     return CausalLMWithLoss(model, case.loss), model, make_optimizer(model, recipe, torch.device("cpu"))
 
@@ -399,7 +400,7 @@ def main() -> None:
     result["meta"] = dict(
         started=started,
         wall_s=round(time.perf_counter() - t0, 1),
-        command="python scripts/bench_memory.py" + (" --picker" if args.picker else " --quick" if args.quick else ""),
+        command="python -m benchmarks.memory" + (" --picker" if args.picker else " --quick" if args.quick else ""),
         torch=torch.__version__,
         transformers=transformers.__version__,
         python=platform.python_version(),

@@ -7,11 +7,11 @@ settings take turns step by step, the order reversed every round, so a machine t
 alike. Reports the median step time, tokens/s, MFU (`metrics.model_flops` against the best bf16
 matmul peak measured in the run) and each setting's speed relative to eager at the same checkpointing.
 
-    .venv/bin/python scripts/bench_compile.py                 # h=512, 4 layers, vocab 32000: ~3 min
-    .venv/bin/python scripts/bench_compile.py --hidden 256 --layers 2
+    .venv/bin/python -m benchmarks.compile                 # h=512, 4 layers, vocab 32000: ~3 min
+    .venv/bin/python -m benchmarks.compile --hidden 256 --layers 2
 
 The warm-up column includes compiling; inductor caches compiled graphs on disk, so for a cold compile run
-with an empty cache: `TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) .venv/bin/python scripts/bench_compile.py`.
+with an empty cache: `TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) .venv/bin/python -m benchmarks.compile`.
 
 Writes benchmarks/results/compile_cpu.json.
 """
@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import RESULTS
+from llmtune.loss import CausalLMWithLoss
+from llmtune.metrics import measure_peak_flops, model_flops
+from llmtune.model import apply_checkpointing, compile_blocks
+from llmtune.recipe import Checkpointing
 
-from llmtune.loss import CausalLMWithLoss  # noqa: E402
-from llmtune.metrics import measure_peak_flops, model_flops  # noqa: E402
-from llmtune.model import compile_blocks, enable_gradient_checkpointing  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "compile_cpu.json"
+OUTPUT = RESULTS / "compile_cpu.json"
 SETTINGS = [(False, False), (True, False), (False, True), (True, True)]  # (compiled, checkpointing)
 
 
@@ -51,7 +51,7 @@ def make_step(config, batch: dict, *, compiled: bool, checkpointing: bool):
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.config.use_cache = False
     if checkpointing:
-        enable_gradient_checkpointing(model)
+        apply_checkpointing(model, Checkpointing())  # every layer, non-reentrant: what the loop does for `true`
     if compiled:
         compile_blocks(model)
     model.train()
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per setting (compiling happens here)")
     p.add_argument("--rounds", type=int, default=8, help="timed steps per setting, taken in turns")
-    p.add_argument("--output", type=Path, default=RESULTS)
+    p.add_argument("--output", type=Path, default=OUTPUT)
     a = p.parse_args(argv)
     from transformers import LlamaConfig
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         row["speed_vs_eager"] = eager["median_step_s"] / row["median_step_s"]
     results = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": "python scripts/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.compile " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__},
         "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default (warm if run before)"),
         "settings": vars(a) | {"output": str(a.output)},

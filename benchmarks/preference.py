@@ -8,8 +8,8 @@ positions that are padding, then times DPO training micro-steps (forward + backw
 reports trained (completion) tokens per second and pairs per second. Layouts take turns step by step so
 background load hits them alike; the ratio is the figure to read on a shared machine.
 
-    .venv/bin/python scripts/bench_preference.py             # ~1-2 minutes on 2 cores
-    .venv/bin/python scripts/bench_preference.py --steps 4
+    .venv/bin/python -m benchmarks.preference             # ~1-2 minutes on 2 cores
+    .venv/bin/python -m benchmarks.preference --steps 4
 
 Writes benchmarks/results/preference_packing_cpu.json.
 """
@@ -21,19 +21,16 @@ import json
 import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from benchmarks import RESULTS, ROOT
+from llmtune.data import batch_for_step, prepare_data, steps_per_epoch
+from llmtune.preference import PreferenceModel, collate_pairs, pairs_in
+from llmtune.recipe import DataConfig, PreferenceConfig, SourceConfig
 
-from llmtune.data import batch_for_step, prepare_data, steps_per_epoch  # noqa: E402
-from llmtune.preference import PreferenceModel, collate_pairs, pairs_in  # noqa: E402
-from llmtune.recipe import DataConfig, PreferenceConfig, SourceConfig  # noqa: E402
-
-RESULTS = ROOT / "benchmarks" / "results" / "preference_packing_cpu.json"
+OUTPUT = RESULTS / "preference_packing_cpu.json"
 ASSETS = ROOT / "assets" / "quickstart"
 # Rows per optimizer step and per micro-batch: about the same pairs either way (a packed 128-token row holds ~4).
 LAYOUTS = {"packed": (16, 4), "unpacked": (64, 16)}
@@ -94,9 +91,9 @@ def main() -> None:
         "torch": torch.__version__,
         "layouts": results,
         "packed_over_unpacked_tokens_per_s": speedup,
-        "command": " ".join(["scripts/bench_preference.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m benchmarks.preference", *sys.argv[1:]]),
     }
-    RESULTS.write_text(json.dumps(record, indent=2) + "\n")
+    OUTPUT.write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -34,9 +34,9 @@ both tools meet some) or a busy moment of the machine from deciding the figure. 
 (`metrics.model_flops`) against the highest matmul peak measured in the run in the trials' dtype (each
 trial's own measurement, 2048^3 and 4096^3; 256^3 and 512^3 where bf16 is emulated).
 
-    .venv/bin/python scripts/bench_vs_hf.py --quick      # 1 round of 4 modes, ~6 min on 2 quiet cores
-    .venv/bin/python scripts/bench_vs_hf.py              # 2 rounds, more steps
-    .venv/bin/python scripts/bench_vs_hf.py --profile    # + torch.profiler top ops of one step each
+    .venv/bin/python -m benchmarks.vs_hf --quick      # 1 round of 4 modes, ~6 min on 2 quiet cores
+    .venv/bin/python -m benchmarks.vs_hf              # 2 rounds, more steps
+    .venv/bin/python -m benchmarks.vs_hf --profile    # + torch.profiler top ops of one step each
 
 Writes benchmarks/results/vs_hf_cpu.json.
 """
@@ -62,9 +62,9 @@ from typing import Any
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import RESULTS
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "vs_hf_cpu.json"
+OUTPUT = RESULTS / "vs_hf_cpu.json"
 TRACKED_STEPS = 3  # llmtune measures memory on steps 1-3 on CPU; the HF callback does the same
 GLOBAL_BATCH = 8
 IDENTICAL_MICRO = 4
@@ -84,13 +84,13 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-log = logging.getLogger("bench_vs_hf")
+log = logging.getLogger("benchmarks.vs_hf")
 
 
 # ---------------------------------------------------------------- assets: tokenizer, model config, data
 
 
-def _lexicon(rng: random.Random, size: int) -> list[str]:
+def random_lexicon(rng: random.Random, size: int) -> list[str]:
     consonants, vowels = "bcdfghjklmnprstvwz", "aeiouy"
     words: set[str] = set()
     while len(words) < size:
@@ -98,7 +98,7 @@ def _lexicon(rng: random.Random, size: int) -> list[str]:
     return sorted(words)
 
 
-def _sentence(rng: random.Random, lexicon: list[str], weights: list[float], n: int) -> str:
+def random_sentence(rng: random.Random, lexicon: list[str], weights: list[float], n: int) -> str:
     return " ".join(rng.choices(lexicon, weights=weights, k=n))
 
 
@@ -110,9 +110,9 @@ def make_assets(
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
     rng = random.Random(seed)
-    lexicon = _lexicon(rng, 40000)
+    lexicon = random_lexicon(rng, 40000)
     weights = [1.0 / (i + 10) for i in range(len(lexicon))]  # Zipf-like word frequencies
-    corpus = [_sentence(rng, lexicon, weights, 50) for _ in range(500)] + lexicon
+    corpus = [random_sentence(rng, lexicon, weights, 50) for _ in range(500)] + lexicon
     specials = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -149,8 +149,8 @@ def make_assets(
         n_user = int(min(400, rng.lognormvariate(3.3, 0.8)))
         n_answer = int(min(600, rng.lognormvariate(4.3, 0.8)))
         messages = [
-            {"role": "user", "content": _sentence(rng, lexicon, weights, max(3, n_user))},
-            {"role": "assistant", "content": _sentence(rng, lexicon, weights, max(3, n_answer))},
+            {"role": "user", "content": random_sentence(rng, lexicon, weights, max(3, n_user))},
+            {"role": "assistant", "content": random_sentence(rng, lexicon, weights, max(3, n_answer))},
         ]
         rows.append({"messages": messages})
     data = folder / "chat.jsonl"
@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--budget", default="2GiB", help="memory budget of the defaults mode")
     p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     p.add_argument("--profile", action="store_true", help="torch.profiler on one timed step of each trial")
-    p.add_argument("--output", type=Path, default=RESULTS)
+    p.add_argument("--output", type=Path, default=OUTPUT)
     p.add_argument(
         "--precision",
         default="auto",
@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> dict:
     budget = parse_bytes(a.budget)
     results: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": "python scripts/bench_vs_hf.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.vs_hf " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {
             "cpus": os.cpu_count(),
             "threads": torch.get_num_threads(),

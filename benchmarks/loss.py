@@ -7,8 +7,8 @@ it is the CPU tensor peak, not an allocator figure). Both implementations get th
 training. "ckpt" is the alternative design: torch.utils.checkpoint around each chunk's logits+loss
 (recomputes the chunk's logits in backward).
 
-    .venv/bin/python scripts/bench_loss.py                 # the full grid: 18 min on 2 busy cores (load ~8)
-    .venv/bin/python scripts/bench_loss.py --tokens 2048   # ~2-3 min subset
+    .venv/bin/python -m benchmarks.loss                 # the full grid: 18 min on 2 busy cores (load ~8)
+    .venv/bin/python -m benchmarks.loss --tokens 2048   # ~2-3 min subset
 
 The N=8192, V=128256 cell alone is ~3/4 of the full run: 3 matmuls of 2*N*V*h = 1 TFLOP each per
 implementation, at ~60 GFLOP/s fp32 on 2 cores.
@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from llmtune.loss import chunked_cross_entropy  # noqa: E402
+from benchmarks import RESULTS
+from llmtune.loss import chunked_cross_entropy
 from llmtune.memory.measure import PeakMemoryTracker
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "loss_cpu.json"
+OUTPUT = RESULTS / "loss_cpu.json"
 
 
 def hf_loss(hidden, weight, labels, chunk_size):
@@ -92,7 +92,7 @@ def main(argv=None):
     p.add_argument("--main-chunk", type=int, default=1024)
     p.add_argument("--ckpt-chunk", type=int, default=1024, help="chunk size of the checkpoint design; 0: skip")
     p.add_argument("--ckpt-max-tokens", type=int, default=2048, help="run the checkpoint design up to this N")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=OUTPUT)
     args = p.parse_args(argv)
 
     rows = []
@@ -132,7 +132,7 @@ def main(argv=None):
                         flush=True,
                     )
     meta = {
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python -m benchmarks.loss", *(argv if argv is not None else sys.argv[1:])]),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),

@@ -9,8 +9,8 @@ optimizer steps and reports trained (non-masked) tokens per second of wall time 
 of this process (the steadier figure when other jobs share the cores; the ratio column uses it).
 Strategies take turns step by step so background load hits them alike.
 
-    .venv/bin/python scripts/bench_data.py                # ~1-2 minutes on 2 cores
-    .venv/bin/python scripts/bench_data.py --steps 4 --examples 400
+    .venv/bin/python -m benchmarks.data                # ~1-2 minutes on 2 cores
+    .venv/bin/python -m benchmarks.data --steps 4 --examples 400
 
 Writes benchmarks/results/data_packing_cpu.json.
 """
@@ -30,11 +30,11 @@ import datasets
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from llmtune.data import IGNORE, batch_for_step, collate, prepare_data  # noqa: E402
-from llmtune.recipe import DataConfig, SourceConfig  # noqa: E402
+from benchmarks import RESULTS
+from llmtune.data import IGNORE, batch_for_step, collate, prepare_data
+from llmtune.recipe import DataConfig, SourceConfig
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "data_packing_cpu.json"
+OUTPUT = RESULTS / "data_packing_cpu.json"
 WORDS = 2000
 
 
@@ -206,10 +206,10 @@ def main() -> None:
             f" {r['trained_tokens_per_cpu_s'] / base:>9.2f}x"
         )
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "data_packing",
-        "command": "python scripts/bench_data.py " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.data " + " ".join(sys.argv[1:]),
         "args": vars(args),
         "environment": {
             "torch": torch.__version__,
@@ -232,8 +232,8 @@ def main() -> None:
         },
         "results": results,
     }
-    RESULTS.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    OUTPUT.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {OUTPUT}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The planner's pick against every configuration measured, on this machine.
 
-    python scripts/bench_planner.py            # 2 models x 3 budgets -> benchmarks/results/planner_cpu.{json,md}
-    python scripts/bench_planner.py --quick    # the small model only, fewer rounds
-    python scripts/bench_planner.py --device cuda --quick --out DIR/planner_gpu.json   # the GPU check's version
+    python -m benchmarks.planner            # 2 models x 3 budgets -> benchmarks/results/planner_cpu.{json,md}
+    python -m benchmarks.planner --quick    # the small model only, fewer rounds
+    python -m benchmarks.planner --device cuda --quick --out DIR/planner_gpu.json   # the GPU check's version
 
 For each model, every candidate the planner weighs -- micro-batch (divisors of the global batch) x checkpointing
 (none, every k-th layer, every layer, on a GPU every layer offloaded, selective) -- trains as `llmtune train`
@@ -42,17 +42,18 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
+from benchmarks import RESULTS
 from llmtune.data import collate
 from llmtune.loss import CausalLMWithLoss
+from llmtune.memory import checkpointing_choices, plan_micro_batch
 from llmtune.memory.measure import PeakMemoryTracker
-from llmtune.memory.plan import checkpointing_choices, plan_micro_batch
-from llmtune.memory.speed import Rates, measure_rates
 from llmtune.model import load_model
 from llmtune.optim import make_optimizer
+from llmtune.parallelize import adapt
 from llmtune.recipe import Checkpointing, DataConfig, ModelConfig, Recipe, TrainingConfig
+from llmtune.timing import Rates, measure_rates
 from llmtune.units import format_bytes
 
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 GLOBAL_BATCH = 8
 
 
@@ -133,7 +134,7 @@ class Trainer:
         recipe = recipe_for(checkpointing, micro, device)
         self.device = device
         torch.manual_seed(0)
-        self.model = load_model(recipe, device.precision, cfg, torch.device(device.name), checkpointing)
+        self.model = adapt(load_model(recipe, device.precision, cfg, torch.device(device.name)), recipe, checkpointing)
         self.model.train()
         self.step_module = CausalLMWithLoss(self.model, "chunked")
         self.opt = make_optimizer(self.model, recipe, torch.device(device.name))
@@ -367,7 +368,7 @@ def main() -> None:
     summary = summarise(results)
     out = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": "python scripts/bench_planner.py"
+        "command": "python -m benchmarks.planner"
         + (" --quick" if args.quick else "")
         + (" --tiny" if args.tiny else "")
         + (" --device cuda" if device is GPU else "")

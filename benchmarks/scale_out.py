@@ -1,6 +1,6 @@
 """Per-process peak memory of real 2-process CPU runs under each engine, against `llmtune estimate`.
 
-    PYTHONPATH=. python scripts/bench_scale_out.py [--steps 4] [--micro-batch 8]
+    python -m benchmarks.scale_out [--steps 4] [--micro-batch 8]
 
 Trains the quickstart model (fp32, checkpointing on) with `accelerate launch --config_file
 recipes/accelerate/{ddp,fsdp2,deepspeed_zero2,deepspeed_zero3}.yaml --num_processes 2` and reads the main
@@ -18,7 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import RESULTS, ROOT
+
 ENGINES = {"ddp": "none", "fsdp2": "fsdp", "deepspeed_zero2": "zero2", "deepspeed_zero3": "zero3"}
 
 
@@ -26,7 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale_out.json"))
+    parser.add_argument("--out", default=str(RESULTS / "scale_out.json"))
     args = parser.parse_args()
     recipe = str(ROOT / "recipes" / "quickstart.yaml")
     overrides = [

@@ -1,0 +1,26 @@
+"""llmtune's benchmarks: each module measures one claim and writes its figures to `benchmarks/results/`.
+
+Run them from the repository root, as modules (the package is found from there; nothing edits `sys.path`):
+
+    python -m benchmarks.vs_hf --quick         # llmtune against the HF Trainer: tokens/s, memory, MFU
+    python -m benchmarks.gpu_check --tiny      # the one-shot GPU check at toy size (`make gpu-check` on a GPU)
+
+    compile     what `training.compile` buys, eager against compiled blocks
+    data        packed against padded rows, and the data pipeline's speed
+    loss        the chunked cross-entropy against HF's loss: memory and time
+    memory      the memory estimator against measured peaks; the micro-batch picker against accelerate's retry
+    planner     the planner's pick against every candidate measured
+    preference  preference pairs packed into rows against one padded row per sequence
+    scale_out   per-process peaks of 2-process runs under each engine against `llmtune estimate`
+    vs_hf       llmtune against the HF Trainer on the same work
+    gpu_check   what llmtune promises, measured on a GPU in one command
+    gpu_report  the GPU check's markdown report (imported by gpu_check, not run)
+
+Dated results committed before the package existed name these as `scripts/bench_<name>.py` and
+`scripts/gpu_check.py`: the same code, now `python -m benchmarks.<name>` and `python -m benchmarks.gpu_check`.
+"""
+
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"  # committed figures, dated in their own files
+ROOT = RESULTS.parents[1]  # the repository: recipes/, assets/, scripts/finetune.py

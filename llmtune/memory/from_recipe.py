@@ -1,0 +1,148 @@
+"""What the planner takes from a recipe: the estimator's settings for the step training runs, the time model's rates
+for the device, and the plan within a budget."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from llmtune import timing
+from llmtune.memory.plan import BatchPlan
+from llmtune.memory.search import plan_micro_batch
+from llmtune.memory.settings import LoraSpec
+from llmtune.optim import optimizer_choice
+from llmtune.recipe import DataConfig, ModelConfig, PeftConfig, Recipe, TrainingConfig, checkpointing_of
+from llmtune.timing import NOMINAL_RATES, Rates
+
+
+def estimate_settings(
+    recipe: Recipe,
+    *,
+    loss: str,
+    device: str,
+    sharding: str = "none",
+    precision: str | None = None,
+    trained_fraction: float = 1.0,
+):
+    """The estimator's keyword arguments for `recipe` run on `device` as the training loop would run it.
+
+    `trained_fraction` is the data's `DataStats.max_trained_fraction` where the data is at hand (training);
+    without it (`llmtune estimate`) every token is taken as trained, the upper bound.
+
+    `precision` is the resolved mode; left out, the recipe's `auto` is taken as bf16 on CUDA (every GPU
+    worth planning for has it) and as the local CPU's choice otherwise.
+    """
+    from llmtune.model import resolve_precision
+
+    t, peft = recipe.training, recipe.peft
+    if precision is None and device == "cuda":  # planning for a GPU that may not be this machine's
+        precision = "bf16" if t.precision == "auto" else t.precision
+    elif precision is None:
+        precision = resolve_precision(t.precision, device)
+    lora = None
+    if peft.method != "none":
+        target = peft.target_modules if isinstance(peft.target_modules, str) else tuple(peft.target_modules)
+        lora = LoraSpec(
+            rank=peft.rank, target_modules=target, dropout=peft.dropout > 0, alpha=int(peft.alpha), method=peft.method
+        )
+    optimizer = optimizer_choice(t.optimizer, precision, peft.method)
+    return dict(
+        precision=precision,
+        layout="packed" if recipe.data.packing else "padded",
+        gradient_checkpointing=checkpointing_of(t.gradient_checkpointing) or "auto",
+        attn_implementation=recipe.model.attn_implementation,
+        optimizer=optimizer,
+        loss=loss,
+        lora=lora,
+        sharding=sharding,
+        device=device,
+        trained_fraction=max(trained_fraction, 1 / recipe.data.max_length),
+        expandable_segments=expandable_segments(recipe),
+        objective=t.objective,
+        reference=_reference(recipe),
+    )
+
+
+def expandable_segments(recipe: Recipe) -> bool:
+    """Whether CUDA's caching allocator runs with expandable segments: PYTORCH_CUDA_ALLOC_CONF's word, else
+    the recipe's `memory.expandable_segments` (which training then applies)."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments" in conf:
+        return "expandable_segments:true" in conf.replace(" ", "").lower()
+    return recipe.memory.expandable_segments
+
+
+def _reference(recipe: Recipe) -> str:
+    if recipe.training.objective == "sft":
+        return "none"
+    # Only here: llmtune.preference brings in the data pipeline (datasets, pyarrow: ~1 s of imports).
+    from llmtune.preference import resolve_reference
+
+    return resolve_reference(recipe.training.objective, recipe.preference, recipe.peft.method)
+
+
+def plan_rates(device: str, precision: str, config: Any, gpu: str | None = None) -> Rates:
+    """The time model's rates for the device planned for: a GPU named with --gpu from its datasheet, this machine's
+    own device measured (`timing.measure_rates`), else nominal rates that rank candidates but forecast nothing."""
+    # Looked up in `timing` at each call, where a test (tests/test_scale_out.py) stands in for the measurement.
+    if gpu:
+        return timing.datasheet_rates(gpu, precision) or NOMINAL_RATES
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != here:
+        return NOMINAL_RATES
+    dtype = {"bf16": torch.bfloat16, "bf16-true": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    return timing.measure_rates(device, dtype, config)
+
+
+def plan_for_budget(
+    recipe: Recipe,
+    config: Any,
+    settings: dict[str, Any],
+    *,
+    budget_bytes: int,
+    num_processes: int,
+    rates: Rates | None = None,
+) -> BatchPlan:
+    """The fastest micro-batch and checkpointing for the recipe's global batch and max_length within
+    `budget_bytes`, as far as the recipe leaves them open; a fixed `training.micro_batch_size` is planned as given
+    (whether it fits or not: `BatchPlan.fits`)."""
+    t = recipe.training
+    return plan_micro_batch(
+        config,
+        global_batch_size=t.global_batch_size,
+        num_processes=num_processes,
+        budget_bytes=budget_bytes,
+        seq_len=recipe.data.max_length,
+        micro_batch_size=None if t.micro_batch_size == "auto" else t.micro_batch_size,
+        rates=rates,
+        **settings,
+    )
+
+
+def recipe_for_model(
+    name: str, config: Any, *, method: str, seq_len: int, device: str, global_batch_size: int = 32
+) -> Recipe:
+    """The recipe `llmtune estimate --model NAME` plans when no recipe is given: common fine-tuning defaults.
+
+    Checkpointing and the micro-batch planned (the fastest that fits) for a global batch of 32; LoRA / QLoRA as in
+    recipes/llama3-8b-lora.yaml (rank 16 on every linear layer, base weights in bf16 on a GPU, since mixed
+    precision would keep an fp32 copy of weights that never change); a full fine-tune in mixed precision;
+    SDPA attention, or eager for a model without an SDPA path (Gemma-2), as transformers falls back.
+    """
+    from llmtune.model import SetupError, check_attn_implementation
+
+    try:
+        check_attn_implementation(config, "sdpa", installed=False)
+        attn = "sdpa"
+    except SetupError:
+        attn = "eager"
+    adapters = method in ("lora", "qlora")
+    precision = "bf16-true" if adapters and device == "cuda" else "auto"
+    return Recipe(
+        model=ModelConfig(name_or_path=name, attn_implementation=attn),
+        data=DataConfig(max_length=seq_len),
+        training=TrainingConfig(precision=precision, global_batch_size=global_batch_size, micro_batch_size="auto"),
+        peft=PeftConfig(method="none" if method == "full" else method, rank=16, alpha=32.0),
+    )

@@ -1,0 +1,93 @@
+"""The plan as a user reads it: the breakdown at the predicted peak, the choice, and what the planner weighed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmtune.memory.plan import BatchPlan
+from llmtune.timing import NOMINAL_RATES
+from llmtune.units import format_bytes
+
+_METHOD_NAMES = {"lora": "LoRA", "dora": "DoRA", "qlora": "QLoRA (4-bit NF4 base)"}
+
+
+def format_plan(plan: BatchPlan, title: str) -> str:
+    """A readable table: the breakdown at the predicted peak, then the choice."""
+    e = plan.estimate
+    width = max(len(k) for k in e.breakdown) + 2
+    lines = [title, "", f"{'at the peak':<{width}}{'bytes':>12}  share"]
+    for name, value in e.breakdown.items():
+        lines.append(f"{name:<{width}}{format_bytes(value):>12}  {value / e.peak_bytes:6.1%}")
+    s = e.settings
+    lines += [
+        f"{'peak':<{width}}{format_bytes(e.peak_bytes):>12}  during {e.peak_phase}",
+        "",
+        f"micro-batch {plan.micro_batch_size} x {s['seq_len']} tokens, gradient accumulation {plan.grad_accum_steps},"
+        f" {s['num_processes']} process(es), sharding {s['sharding']}",
+        f"{s['precision']}, checkpointing {plan.checkpointing.describe(e.settings['layers'])},"
+        f" {s['attn_implementation']} attention, {s['optimizer']}, {s['loss']} loss"
+        + (f", {s['objective']} on pairs (reference: {s['reference']})" if s.get("objective", "sft") != "sft" else "")
+        + (f", {_METHOD_NAMES[s['lora']['method']]} r={s['lora']['rank']}" if s.get("lora") else ""),
+        f"predicted peak {format_bytes(plan.predicted_peak_bytes)} of a {format_bytes(plan.budget_bytes)} budget"
+        + ("" if plan.fits else ": DOES NOT FIT")
+        + (
+            f" (reserved by the caching allocator, {format_bytes(e.peak_bytes)} of it in live tensors,"
+            f" expandable segments {'on' if s['expandable_segments'] else 'off'}; the CUDA context and"
+            " cuBLAS/NCCL workspaces are outside it)"
+            if s["device"] == "cuda"
+            else " (live tensors only: Python objects and the data pipeline are outside it)"
+        ),
+    ]
+    if len(plan.frontier) > 1:
+        lines += ["", *format_frontier(plan)]
+    return "\n".join(lines)
+
+
+def format_frontier(plan: BatchPlan) -> list[str]:
+    """What the planner weighed, fastest first: memory saved against speed paid, the choice marked. One row per
+    setting -- its fastest candidate that fits, else its smallest micro-batch weighed (why it was ruled out),
+    else its fastest not weighed -- and the choice. Nominal rates (no device to measure) give speeds relative to
+    the fastest candidate only."""
+    nominal = plan.rates_source == NOMINAL_RATES.source
+    top = max((c["predicted_tokens_per_s"] for c in plan.frontier), default=1.0)
+
+    def is_chosen(c: dict[str, Any]) -> bool:
+        ckpt = plan.checkpointing
+        return (c["micro_batch_size"], c["every_n_layers"], c["selective"], c.get("offload", False)) == (
+            plan.micro_batch_size,
+            ckpt.every_n_layers,
+            ckpt.selective,
+            ckpt.offload,
+        )
+
+    shown: dict[str, dict[str, Any]] = {}
+    for c in plan.frontier:  # fastest first
+        kept = shown.get(c["checkpointing"])
+        if kept is None or kept["fits"] is None or (c["fits"] is not None and not kept["fits"]) or is_chosen(c):
+            shown[c["checkpointing"]] = c
+    rows = [("checkpointing", "micro", "peak", "x fastest" if nominal else "tokens/s", "fits", "")]
+    for c in sorted(shown.values(), key=lambda c: -c["predicted_tokens_per_s"]):
+        speed = c["predicted_tokens_per_s"]
+        rows.append(
+            (
+                c["checkpointing"],
+                str(c["micro_batch_size"]),
+                c["predicted_peak"] or "-",
+                f"{speed / top:.2f}" if nominal else f"{speed:,.0f}",
+                {True: "yes", False: "no", None: "-"}[c["fits"]],
+                "<- chosen" if is_chosen(c) else "",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = [
+        f"weighed (time model: {plan.rates_source}; '-': not estimated, ruled out by a setting that did not fit or"
+        " slower than the choice):"
+    ]
+    for r in rows:
+        lines.append(
+            "  "
+            + r[0].ljust(widths[0])
+            + "".join(f"  {r[i].rjust(widths[i])}" for i in range(1, 5))
+            + (f"  {r[5]}" if r[5] else "")
+        )
+    return lines

@@ -1,0 +1,103 @@
+"""The settings of one estimated training step: what `estimate` takes, checked (`settings_of`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llmtune.loss import default_chunk_size
+from llmtune.model import OFFLOAD_NEEDS_CUDA
+from llmtune.recipe import Checkpointing, checkpointing_of
+
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
+OPTIMIZERS = ("adamw", "adamw_fused", "adamw_bf16", "adamw_8bit")
+LOSSES = ("hf", "chunked")
+LAYOUTS = ("packed", "padded")
+OBJECTIVES = ("sft", "dpo", "orpo", "simpo")
+REFERENCES = ("none", "adapter_disabled", "copy", "precomputed")
+SHARDINGS = ("none", "fsdp", "zero2", "zero3")
+DEVICES = ("cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA adapters as peft builds them; base weights are frozen."""
+
+    rank: int = 8
+    target_modules: tuple[str, ...] | str = "all-linear"
+    dropout: bool = False  # True: peft keeps a dropout mask-sized copy of each adapter input
+    alpha: int = 16
+    method: str = "lora"  # lora | dora (peft's magnitude vectors) | qlora (4-bit NF4 base, see kernels.py)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """One step's settings, as `settings_of` checks them; hashable, since traces are cached by them."""
+
+    micro_batch_size: int
+    seq_len: int
+    layout: str = "packed"
+    precision: str
+    checkpointing: Checkpointing
+    attn_implementation: str = "sdpa"
+    optimizer: str = "adamw"
+    loss: str = "hf"
+    chunk_size: int
+    lora: LoraSpec | None = None
+    num_processes: int = 1
+    sharding: str = "none"
+    device: str = "cuda"
+    grad_accum_steps: int = 1
+    ddp_bucket_view: bool = False
+    trained_fraction: float = 1.0
+    expandable_segments: bool = True
+    objective: str = "sft"
+    reference: str = "none"
+
+
+def settings_of(
+    config: Any, *, gradient_checkpointing: bool | Checkpointing, chunk_size: int | None = None, **settings: Any
+) -> Settings:
+    """The settings of an estimate, checked: `settings` are `Settings`' fields (micro_batch_size, seq_len and
+    precision required). The step: forward on `micro_batch_size` x `seq_len` tokens laid out
+    as `layout` (packed or padded rows, only the loss kept), backward, optimizer step,
+    `zero_grad(set_to_none=True)`. With `grad_accum_steps > 1` the previous micro-steps' gradients are alive
+    during forward and backward.
+    `num_processes`/`sharding` divide the sharded states; `"none"` with several processes is
+    DDP with its gradient buckets unless `ddp_bucket_view` (gradient_as_bucket_view=True).
+    `gradient_checkpointing`: a `Checkpointing` (every k-th layer, selective), or a bool for every layer / none.
+    `chunk_size`: the chunked loss's rows per chunk, by default `llmtune.loss.default_chunk_size` of the vocabulary.
+    `objective` other than "sft" traces `llmtune.preference.PreferenceModel` on pairs (`micro_batch_size`
+    examples, each a pair), with its `reference` forward (adapter_disabled, a frozen copy) or none.
+    """
+    s = Settings(
+        checkpointing=checkpointing_of(gradient_checkpointing),
+        chunk_size=chunk_size or default_chunk_size(getattr(config, "text_config", config).vocab_size),
+        **settings,
+    )
+    _validate(s)
+    return s
+
+
+def _validate(s: Settings) -> None:
+    """Refuse settings no step can run, with the reason."""
+    if s.micro_batch_size < 1 or s.seq_len < 2:
+        raise ValueError("micro_batch_size must be >= 1 and seq_len >= 2")
+    if not 0 < s.trained_fraction <= 1:
+        raise ValueError(f"trained_fraction={s.trained_fraction}; expected 0 < f <= 1")
+    if s.checkpointing.offload and not s.checkpointing.enabled:
+        raise ValueError("checkpointing.offload moves the inputs that checkpointing saves: it needs checkpointing")
+    if s.checkpointing.offload and s.device != "cuda":
+        raise ValueError(OFFLOAD_NEEDS_CUDA)
+    for name, value, allowed in (
+        ("objective", s.objective, OBJECTIVES),
+        ("reference", s.reference, REFERENCES),
+        ("layout", s.layout, LAYOUTS),
+        ("precision", s.precision, PRECISIONS),
+        ("optimizer", s.optimizer, OPTIMIZERS),
+        ("loss", s.loss, LOSSES),
+        ("sharding", s.sharding, SHARDINGS),
+        ("device", s.device, DEVICES),
+    ):
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r}; expected one of {allowed}")

@@ -1,0 +1,82 @@
+"""Preference tuning (DPO and its IPO/RPO variants, ORPO, SimPO) as an objective: the loss, log-probs and reference
+are llmtune.preference's; this says how the loop trains them (pairs are the unit, the reference where it runs)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from llmtune import preference
+from llmtune.model import SetupError, weights_signature
+from llmtune.recipe import PreferenceConfig
+
+if TYPE_CHECKING:
+    from llmtune.data import PreparedData
+    from llmtune.objectives.base import AttachContext
+
+
+class Preference:
+    def __init__(self, name: str, cfg: PreferenceConfig, peft_method: str) -> None:
+        self.name, self.cfg = name, cfg
+        self.reference = preference.resolve_reference(name, cfg, peft_method)
+
+    def module(
+        self, model: torch.nn.Module, loss_impl: str, device: torch.device, weights_dtype: torch.dtype | None
+    ) -> torch.nn.Module:
+        """A frozen copy (preference.reference=copy) goes to `device` with its parameters in `weights_dtype`
+        (parallel.weights_dtype): outside the prepared module, nothing else would put it where the policy computes."""
+        frozen = None
+        if self.reference == "copy":  # the starting weights, frozen, before any update
+            frozen = copy.deepcopy(model).requires_grad_(False).eval().to(device)
+            if weights_dtype is not None:
+                for p in frozen.parameters():  # parameters only, as FSDP2 and DeepSpeed cast the policy's
+                    p.data = p.data.to(weights_dtype)
+        return preference.PreferenceModel(model, loss_impl, self.name, self.cfg, self.reference, frozen)
+
+    collate = staticmethod(preference.collate_pairs)
+
+    def units(self, batch: dict[str, torch.Tensor]) -> int:
+        return preference.pairs_in(batch)
+
+    def metrics(self, sums: list[float], units: int) -> dict[str, float]:
+        return preference.step_metrics(sums, units)
+
+    def check_engine(self, engine: str) -> None:
+        if engine == "zero3" and self.reference == "copy":
+            # The copy would be a second whole model on every process, outside the engine: the deepcopy of a model
+            # loaded partition by partition (zero3_init_flag) holds empty tensors, and nothing gathers them.
+            raise SetupError(
+                "preference.reference=copy cannot run under DeepSpeed ZeRO-3 (the copy would hold empty partitions);"
+                " use preference.reference=precomputed (the same reference, computed through the sharded model) or"
+                " recipes/accelerate/deepspeed_zero2.yaml"
+            )
+
+    def attach(self, prepared: torch.nn.Module, data: PreparedData, context: AttachContext) -> PreparedData:
+        """With a precomputed reference: train (and eval) rows with their reference log-probs, computed once by all
+        processes through the prepared module and cached in output_dir (reused on resume and by any later run with
+        the same model, data and settings). Before any update or resume (preference.compute_reference)."""
+        if self.reference != "precomputed":
+            return data
+        r = context.recipe
+        m = r.model
+        settings = {
+            "model": [m.name_or_path, m.revision, m.attn_implementation, m.random_init and r.seed],
+            "weights": [] if m.random_init else weights_signature(m.name_or_path),
+            "precision": context.precision,
+            "loss": context.loss_impl,
+            "peft": r.peft.method,
+        }
+        cache = Path(r.output_dir) / "reference"
+
+        def collate_rows(examples: list[dict]) -> dict[str, torch.Tensor]:
+            return preference.collate_pairs(examples, pad_token_id=context.pad_token_id, packed=data.packed)
+
+        def attach_rows(rows: Any) -> Any:
+            acc, batch = context.accelerator, context.micro_batch_size
+            return preference.with_reference(prepared, rows, collate_rows, batch, acc, cache, settings)
+
+        return replace(data, train=attach_rows(data.train), eval=None if data.eval is None else attach_rows(data.eval))

@@ -1,0 +1,38 @@
+"""Supervised fine-tuning: the summed next-token loss over trained tokens (llmtune.loss)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from llmtune.data import collate
+from llmtune.loss import CausalLMWithLoss
+from llmtune.objectives.base import trained_tokens
+
+if TYPE_CHECKING:
+    from llmtune.data import PreparedData
+    from llmtune.objectives.base import AttachContext
+
+
+class SFT:
+    name = "sft"
+
+    def module(
+        self, model: torch.nn.Module, loss_impl: str, device: torch.device, weights_dtype: torch.dtype | None
+    ) -> torch.nn.Module:
+        return CausalLMWithLoss(model, loss_impl)
+
+    collate = staticmethod(collate)
+
+    def units(self, batch: dict[str, torch.Tensor]) -> int:
+        return trained_tokens(batch)
+
+    def metrics(self, sums: list[float], units: int) -> dict[str, float]:
+        return {}
+
+    def check_engine(self, engine: str) -> None:
+        return None
+
+    def attach(self, prepared: torch.nn.Module, data: PreparedData, context: AttachContext) -> PreparedData:
+        return data

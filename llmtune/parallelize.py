@@ -1,0 +1,80 @@
+"""One step from the loaded causal LM to the module and optimizer the loop trains, as torchtitan's `parallelize_llama`.
+
+The transformations apply in the only order they may:
+
+1. activation checkpointing (the plan's layers), on the plain transformers model;
+2. PEFT adapters, around the checkpointed model (they need its input-grad hook);
+3. `torch.compile` of each decoder block, after both (checkpointing wraps the compiled block);
+4. the objective's module, whose forward returns the loss (llmtune.objectives);
+5. the engine: FSDP2's `fully_shard` (before the optimizer, which must hold the shards), or DeepSpeed's config
+   (the plan's micro-batch and accumulation, before `prepare`);
+6. `Accelerator.prepare` (DDP, DeepSpeed), which FSDP2 skips: Accelerate would wrap the sharded model again.
+
+Anything that must run on the prepared module (a DPO reference's log-probs, `Objective.attach`) comes after it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from accelerate import Accelerator
+from transformers import PreTrainedModel
+
+from llmtune import parallel
+from llmtune.memory import BatchPlan
+from llmtune.metrics import ModelFlops, model_flops
+from llmtune.model import apply_checkpointing, apply_peft, compile_blocks, count_parameters
+from llmtune.objectives import Objective
+from llmtune.optim import make_optimizer
+from llmtune.recipe import Checkpointing, Recipe, checkpointing_of
+
+
+class Parallelized(NamedTuple):
+    module: torch.nn.Module  # the objective's module as the engine prepared it: what the loop calls
+    optimizer: torch.optim.Optimizer
+    parameters: tuple[int, int]  # (trainable, total) of the adapted model
+    flops: ModelFlops  # its FLOPs per token (the MFU numerator)
+
+
+def parallelize(
+    model: PreTrainedModel,
+    recipe: Recipe,
+    objective: Objective,
+    plan: BatchPlan,
+    *,
+    loss_impl: str,
+    engine: parallel.Engine,
+    precision: str,
+    accelerator: Accelerator,
+) -> Parallelized:
+    """Apply checkpointing -> PEFT -> compile -> the objective's module -> FSDP2 or the DeepSpeed config -> prepare."""
+    model = adapt(model, recipe, plan.checkpointing)
+    # Measured on whole parameters, before the engine shards them (FSDP2's DTensors, ZeRO-3's empty tensors).
+    parameters, flops = count_parameters(model), model_flops(model)
+    module = objective.module(model, loss_impl, accelerator.device, parallel.weights_dtype(engine, precision))
+    if engine == "fsdp2":
+        parallel.shard_fsdp2(module, precision)  # before the optimizer, which must hold the shards
+    optimizer = make_optimizer(module, recipe, accelerator.device)
+    if parallel.is_deepspeed(engine):
+        hidden = model.config.get_text_config().hidden_size
+        t = recipe.training
+        parallel.configure_deepspeed(accelerator, plan.micro_batch_size, plan.grad_accum_steps, t.max_grad_norm, hidden)
+    if engine != "fsdp2":
+        # FSDP2 is applied above: Accelerate would wrap the sharded model in DDP on top. Its model and optimizer are
+        # checkpointed with torch.distributed.checkpoint (parallel.save_state).
+        module, optimizer = accelerator.prepare(module, optimizer)
+    return Parallelized(module, optimizer, parameters, flops)
+
+
+def adapt(model: PreTrainedModel, recipe: Recipe, checkpointing: Checkpointing | None = None) -> PreTrainedModel:
+    """Steps 1-3 on the plain causal LM: checkpointing (`checkpointing`, by default the recipe's, off for `auto`) ->
+    PEFT -> compile. The benchmarks that measure a model as training runs it take this step alone."""
+    if checkpointing is None:
+        checkpointing = checkpointing_of(recipe.training.gradient_checkpointing) or Checkpointing(0)
+    apply_checkpointing(model, checkpointing)
+    if recipe.peft.method != "none":
+        model = apply_peft(model, recipe.peft, gradient_checkpointing=checkpointing.enabled)
+    if recipe.training.compile:
+        compile_blocks(model)
+    return model

@@ -1,0 +1,118 @@
+"""What keeps a run sound when a step goes wrong: the non-finite guard, the budget check and the out-of-memory stop.
+
+Signals (a scheduler's preemption) are `llmtune.preemption`'s; a micro-batch too large for the device is shrunk in
+place where the step can simply be redone (`llmtune.train.train_step`), and stopped here where it cannot.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+
+from llmtune.errors import EXIT_FAILED, EXIT_PREEMPTED
+from llmtune.memory import BatchPlan
+from llmtune.parallel import decided_by_main
+from llmtune.planning import TrainingError, shrink_plan
+from llmtune.run import Run
+
+log = logging.getLogger(__name__)
+
+OOM_FILE = "out_of_memory.json"  # the micro-batch to resume with after an out-of-memory stop
+
+
+class NonFiniteGuard:
+    """Counts steps whose loss or gradients were non-finite (their update skipped) and stops the run after
+    `limit` in a row: a run that keeps diverging only burns its budget, and the last good checkpoint is kept."""
+
+    def __init__(self, limit: int, checkpoints: Path) -> None:
+        self.limit, self.checkpoints = limit, checkpoints
+        self.in_a_row = 0
+
+    def check(self, step: int, finite: bool, loss: float, grad_norm: float) -> None:
+        """After 0-based `step`; raises TrainingError at the limit."""
+        if finite:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        what = f"loss ({loss})" if not math.isfinite(loss) else f"gradient norm ({grad_norm})"
+        log.warning("step %d: non-finite %s, update skipped (%d in a row)", step + 1, what, self.in_a_row)
+        if self.in_a_row >= self.limit:
+            raise TrainingError(
+                f"step {step + 1}: {self.in_a_row} consecutive non-finite losses or gradients; stopping. The"
+                f" last good checkpoint is kept in {self.checkpoints}. Try a lower learning"
+                " rate, bf16 instead of fp16, or a smaller training.max_grad_norm."
+            )
+
+
+def stop_after_out_of_memory(run: Run, where: str, per_process: int) -> NoReturn:
+    """Out of memory where the run cannot simply redo the step: stop every process, never hang.
+
+    With several processes the others may already wait in a collective (a gradient all-reduce, an FSDP2 or
+    ZeRO-3 all-gather) that this process will never join, so no agreement is possible any more; under DeepSpeed,
+    even alone, the failed window's gradients stay in the engine (train_step). This process records the smaller
+    micro-batch in `out_of_memory.json` (read by `build` when the same command resumes) and exits at once with 75;
+    the launcher then stops the others (torchrun: SIGTERM, SIGKILL after 30 s; a process waiting on a gloo peer
+    that exited fails at once). `checkpoint.resume: auto` continues from the last checkpoint with the smaller
+    micro-batch.
+    """
+    plan, process_index = run.plan, run.accelerator.process_index
+    if plan.micro_batch_size == 1:
+        log.error(
+            "process %d: out of memory in the %s at micro-batch 1; nothing left to shrink (see `llmtune estimate`)",
+            process_index,
+            where,
+        )
+        logging.shutdown()
+        os._exit(EXIT_FAILED)
+    smaller = shrink_plan(plan, per_process)
+    path = Path(run.recipe.output_dir) / OOM_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Every process that ran out of memory writes it (the same plan shrinks the same way): each under its own name,
+    # then renamed, so a reader never sees half a file.
+    tmp = path.with_name(f".{OOM_FILE}.{process_index}")
+    tmp.write_text(json.dumps({"micro_batch_size": smaller.micro_batch_size, "where": where}) + "\n")
+    os.replace(tmp, path)
+    log.error(
+        "process %d: out of memory in the %s at micro-batch %d; stopping all processes (exit %d). Run the same"
+        " command with checkpoint.resume=auto: it continues from the last checkpoint with micro-batch %d.",
+        process_index,
+        where,
+        plan.micro_batch_size,
+        EXIT_PREEMPTED,
+        smaller.micro_batch_size,
+    )
+    logging.shutdown()
+    os._exit(EXIT_PREEMPTED)  # not an exception: unwinding could wait on the peers' collectives
+
+
+def plan_after_out_of_memory(run: Run) -> BatchPlan:
+    """The run's plan, shrunk to the micro-batch an earlier out-of-memory stop asked for (stop_after_out_of_memory)."""
+    path = Path(run.recipe.output_dir) / OOM_FILE
+
+    def limit() -> int | None:
+        return json.loads(path.read_text())["micro_batch_size"] if path.is_file() else None
+
+    # One process's disk decides (another node's may not show the file yet): all must train the same micro-batch.
+    at_most = decided_by_main(run.accelerator, limit)
+    plan = run.plan
+    if at_most is None or at_most >= plan.micro_batch_size:
+        return plan
+    plan = shrink_plan(plan, plan.micro_batch_size * plan.grad_accum_steps, at_most=at_most)
+    log.info("an earlier run stopped out of memory: micro-batch %d", plan.micro_batch_size)
+    return plan
+
+
+def check_budget(run: Run, step: int, reserved: int, per_process: int) -> None:
+    """After step 2, shrink the plan on every process if any measured its peak above the budget: the estimate
+    missed, and an out-of-memory error need not be waited for."""
+    acc = run.accelerator
+    over_budget = run.plan.budget_bytes is not None and reserved > run.plan.budget_bytes
+    if step == 2 and bool(acc.reduce(torch.tensor(int(over_budget), device=acc.device), "sum")):
+        run.plan = shrink_plan(run.plan, per_process)
+        log.warning("measured peak above the budget: micro-batch now %d", run.plan.micro_batch_size)

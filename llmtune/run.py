@@ -1,0 +1,51 @@
+"""The records the training loop passes around: `Run`, built once by `llmtune.train.build`, and each step's
+`StepResult`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from accelerate import Accelerator
+
+from llmtune.data import PreparedData
+from llmtune.memory import BatchPlan
+from llmtune.metrics import ModelFlops
+from llmtune.objectives import Objective
+from llmtune.parallel import Engine
+from llmtune.recipe import Recipe
+
+
+@dataclass
+class Run:
+    """Everything `fit` needs."""
+
+    recipe: Recipe
+    accelerator: Accelerator
+    precision: str
+    precision_why: str  # shown in the setup log: `auto` differs between machines
+    tokenizer: Any
+    data: PreparedData
+    objective: Objective
+    model: torch.nn.Module  # the objective's module: DDP/DeepSpeed-prepared by Accelerate, or FSDP2-sharded
+    engine: Engine
+    optimizer: torch.optim.Optimizer
+    plan: BatchPlan
+    flops: ModelFlops
+    peak_flops: float  # the MFU denominator
+    peak_flops_source: str  # datasheet or measured (metrics.peak_flops)
+    num_layers: int = 0
+    start_step: int = 0
+    speed: dict[str, Any] | None = None  # the time model's prediction against the run's first timed steps
+    counters: dict[str, int] = field(default_factory=lambda: {"trained_tokens": 0, "skipped_steps": 0})
+
+
+class StepResult(NamedTuple):
+    loss: float  # per unit (trained token or pair), all processes
+    trained_tokens: int  # all processes
+    flops: float  # model FLOPs, all processes (metrics.ModelFlops)
+    grad_norm: float
+    overflow: bool  # fp16: the loss scaler found inf/nan gradients and skipped the update
+    finite: bool  # loss and gradients finite; else the update was skipped (fp16's overflow aside)
+    extra: dict[str, float]  # the objective's own metrics (preference: rewards, margin, accuracy)

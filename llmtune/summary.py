@@ -1,0 +1,130 @@
+"""What a run says about itself: the setup lines before the first step, each step's metrics, the time model's check
+on steps 3 and 4, and `run_summary.json` at the end."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from llmtune import parallel
+from llmtune.metrics import MetricsLogger
+from llmtune.run import Run, StepResult
+from llmtune.schedule import lr_factor
+
+log = logging.getLogger(__name__)
+
+
+def log_setup(run: Run, trainable: int, total: int) -> None:
+    r, p = run.recipe, run.plan
+    lines = [
+        f"model          {r.model.name_or_path} ({total / 1e6:.1f}M params, {trainable / 1e6:.2f}M trainable)",
+        f"launch         {run.engine} ({run.accelerator.distributed_type.value}) x {run.accelerator.num_processes}"
+        f" on {run.accelerator.device}",
+        f"precision      {run.precision} ({run.precision_why})",
+        f"checkpointing  {p.checkpointing.describe(run.num_layers)} ({'planned' if p.frontier else 'the recipe'})",
+        f"batch          global {r.training.global_batch_size} = micro {p.micro_batch_size} x accumulation "
+        f"{p.grad_accum_steps} x processes {p.num_processes} (micro-batch from {p.source})",
+        f"memory         {p.describe()}",
+        f"MFU peak       {run.peak_flops / 1e12:.1f} TFLOP/s ({run.peak_flops_source})",
+        f"data           {run.data.stats.examples} examples -> {len(run.data.train)} rows, "
+        f"{run.data.stats.trained_tokens} trained tokens",
+        f"steps          {run.start_step} -> {r.training.max_steps}",
+    ]
+    if r.training.warmup_steps > r.training.max_steps:
+        lines.append(
+            f"warmup         {r.training.warmup_steps} steps, longer than the run: the learning rate stops at"
+            f" {lr_factor(r.training.max_steps - 1, r):.0%} of its peak"
+        )
+    log.info("llmtune run\n  " + "\n  ".join(lines))
+
+
+def check_speed(run: Run, seconds: float) -> dict[str, Any] | None:
+    """The time model's predicted tokens/s against the run's own (steps 3 and 4), logged when 15% or more below."""
+    predicted = run.plan.predicted_tokens_per_s
+    if predicted is None:
+        return None
+    tokens = run.recipe.training.global_batch_size // run.plan.num_processes * run.recipe.data.max_length
+    measured = tokens / seconds
+    speed = {
+        "predicted_tokens_per_s": round(predicted, 1),
+        "measured_tokens_per_s": round(measured, 1),
+        "measured_over_predicted": round(measured / predicted, 3),
+        "rates": run.plan.rates_source,
+        "measured_on_steps": [3, 4],
+    }
+    if measured < 0.85 * predicted:
+        log.warning(
+            "the time model predicted %.0f tokens/s per process for this plan and the run makes %.0f (%.0f%% below):"
+            " the plan may not be the fastest here; `llmtune estimate --recipe` shows what it weighed",
+            predicted,
+            measured,
+            100 * (1 - measured / predicted),
+        )
+    else:
+        log.info("speed: %.0f tokens/s per process, the time model predicted %.0f", measured, predicted)
+    return speed
+
+
+def run_summary(
+    run: Run,
+    metrics: MetricsLogger,
+    peaks: dict[str, int],
+    seconds: float,
+    step: int,
+    eval_loss: float | None,
+    final: Path,
+) -> dict[str, Any]:
+    return {
+        "precision": run.precision,
+        "gradient_checkpointing": run.plan.checkpointing.enabled,
+        "checkpointing": asdict(run.plan.checkpointing),
+        "time_model": run.speed,
+        "micro_batch_size": run.plan.micro_batch_size,
+        "grad_accum_steps": run.plan.grad_accum_steps,
+        "num_processes": run.plan.num_processes,
+        "engine": run.engine,
+        "optimizer_updates": parallel.optimizer_updates(run.optimizer),
+        # This (the main) process's parameter bytes: its shards under FSDP2 and ZeRO-3.
+        "local_parameter_bytes": parallel.local_parameter_bytes(run.model),
+        "global_batch_size": run.recipe.training.global_batch_size,
+        "steps": step,
+        "trained_tokens": run.counters["trained_tokens"],
+        "seconds": seconds,
+        "tokens_per_s": metrics.tokens_per_s(),
+        **peaks,  # steady-state (after step 1) peaks of live tensors and, on CUDA, of the allocator's reserve
+        "memory_plan": run.plan.to_dict(),
+        "skipped_steps": run.counters["skipped_steps"],
+        "eval_loss": eval_loss,
+        "final_dir": str(final),
+    }
+
+
+def log_step(
+    run: Run,
+    metrics: MetricsLogger,
+    step: int,
+    result: StepResult,
+    *,
+    lr: float,
+    seconds: float,
+    peak: int | None,
+    reserved: int | None,
+) -> None:
+    metrics.log_step(
+        step,
+        loss=result.loss,
+        lr=lr,
+        grad_norm=result.grad_norm,
+        trained_tokens=result.trained_tokens,
+        seconds=seconds,
+        tokens_per_s=result.trained_tokens / seconds,
+        mfu=result.flops / seconds / run.peak_flops / run.accelerator.num_processes,
+        peak_memory_bytes=peak,
+        peak_reserved_bytes=reserved,
+        skipped_steps=run.counters["skipped_steps"],
+        micro_batch_size=run.plan.micro_batch_size,
+        memory_tracked=peak is not None,
+        **result.extra,
+    )
