@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import replace
 
 import pytest
@@ -88,6 +89,29 @@ def test_forked_traces_equal_in_process_ones_and_the_first_warms_the_parent(monk
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0})  # one core: all in this process
     alone = fresh()
     assert [(e.peak_bytes, e.work) for e in forked] == [(e.peak_bytes, e.work) for e in alone]
+
+
+def stuck_forever(*args, **kwargs):
+    time.sleep(3600)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="traces fork only on 2 or more cores")
+def test_forked_traces_that_never_answer_are_run_in_this_process(monkeypatch):
+    """A worker forked while another thread held a lock waits forever (the floor suite hung there once): the traces
+    are then given up and run in this process, with the same estimates, and later plans do not fork again."""
+    from llmtune.memory import cache
+
+    cfg = tiny_config("llama", layers=6)
+    settings = [dict(micro_batch_size=2, gradient_checkpointing=c, **KW) for c in (False, True, Checkpointing(2))]
+    clear_traces()
+    alone = estimate_all(cfg, settings, max_traced_layers=1)
+    monkeypatch.setattr(cache, "_FORK_REFUSED", [])
+    monkeypatch.setattr(cache, "FORKED_TRACES_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(cache, "_trace_job", stuck_forever)  # what the forked workers run
+    clear_traces()
+    given_up = estimate_all(cfg, settings, max_traced_layers=1)
+    assert cache._FORK_REFUSED == ["no forked trace in 1 s"]
+    assert [(e.peak_bytes, e.work) for e in given_up] == [(e.peak_bytes, e.work) for e in alone]
 
 
 def test_the_traced_work_counts_recomputation():

@@ -21,6 +21,9 @@ _TRACES: dict[tuple, Trace] = {}
 _MAX_TRACES = 64
 # Why forked traces failed in this process, once they have (then every trace runs in the process itself).
 _FORK_REFUSED: list[str] = []
+# How long the forked traces may take before they are given up and run here (each is seconds on <= 4 layers): a
+# child forked while another thread of this process held a lock (a logger's, a writer thread's) waits forever.
+FORKED_TRACES_TIMEOUT_S = 120.0
 
 
 def cached_trace(config: Any, layers: int, s: Settings, period: int) -> Trace:
@@ -61,14 +64,17 @@ def prefetch(config: Any, jobs: list[tuple[int, Settings]]) -> None:
             return
         workers = min(workers, len(missing))
     try:
-        with mp.get_context("fork").Pool(workers) as pool:
-            done = pool.starmap(_trace_job, [(config, n, s, period) for n, s in missing])
-    except RuntimeError as err:
+        with mp.get_context("fork").Pool(workers) as pool:  # leaving it terminates the workers, a stuck one too
+            pending = pool.starmap_async(_trace_job, [(config, n, s, period) for n, s in missing])
+            done = pending.get(timeout=FORKED_TRACES_TIMEOUT_S)
+    except (RuntimeError, mp.TimeoutError) as err:
         # torch 2.11 refuses autograd in a child forked after the parent ran a backward ("Unable to handle
-        # autograd's threading in combination with fork-based multiprocessing"; 2.13 allows it on a CPU): the
-        # traces then run in this process (the caller's), and no later plan forks again.
-        log.debug("traces run in one process: %s", err)
-        _FORK_REFUSED.append(str(err))
+        # autograd's threading in combination with fork-based multiprocessing"; 2.13 allows it on a CPU), and a
+        # child can deadlock on a lock it inherited held: the traces then run in this process (the caller's), and
+        # no later plan forks again.
+        why = str(err) or f"no forked trace in {FORKED_TRACES_TIMEOUT_S:.0f} s"
+        log.debug("traces run in one process: %s", why)
+        _FORK_REFUSED.append(why)
         return
     _TRACES.update({(text, n, s, period): t for (n, s), t in zip(missing, done, strict=True)})
 
