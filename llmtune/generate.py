@@ -171,12 +171,12 @@ def _end_of_turn_ids(tokenizer: Any) -> list[int]:
     return [i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id]
 
 
-def _until_stop(row: list[int], stop: Sequence[int]) -> list[int]:
+def until_stop(row: list[int], stop: Sequence[int]) -> list[int]:
     """`row` up to (without) its first stop id."""
     return next((row[:k] for k, token in enumerate(row) if token in stop), row)
 
 
-def _pad_id(tokenizer: Any, stop: Sequence[int]) -> int | None:
+def pad_id(tokenizer: Any, stop: Sequence[int]) -> int | None:
     if tokenizer.pad_token_id is not None:
         return tokenizer.pad_token_id
     return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else next(iter(stop), None)
@@ -197,13 +197,13 @@ def answer(
             inputs,
             attention_mask=torch.ones_like(inputs),
             max_new_tokens=sampling.max_new_tokens,
-            pad_token_id=_pad_id(tokenizer, stop),
+            pad_token_id=pad_id(tokenizer, stop),
             eos_token_id=stop or None,
             streamer=streamer,
             **sampling.generate_kwargs(),
         )
     # A stop id need not be a special token (decoding would keep it), so the text ends before it.
-    return tokenizer.decode(_until_stop(out[0, len(ids) :].tolist(), stop), skip_special_tokens=True)
+    return tokenizer.decode(until_stop(out[0, len(ids) :].tolist(), stop), skip_special_tokens=True)
 
 
 def batch_answers(
@@ -230,7 +230,7 @@ def batch_answers(
     for i, ids in enumerate(prompts):
         order.setdefault(len(ids), []).append(i)
     stop = stop_ids(model, tokenizer, chat)
-    pad = _pad_id(tokenizer, stop)
+    pad = pad_id(tokenizer, stop)
     device = next(model.parameters()).device
     out: list[str] = [""] * len(prompts)
     for length, indices in order.items():
@@ -249,7 +249,7 @@ def batch_answers(
             for row, i in zip(generated[:, length:].tolist(), chunk, strict=True):
                 # Rows that finished early are padded after their stop id; the cut keeps the answer right with a
                 # pad token or a stop id that is not a special token (decoding would keep those).
-                out[i] = tokenizer.decode(_until_stop(row[: max_new_tokens[i]], stop), skip_special_tokens=True)
+                out[i] = tokenizer.decode(until_stop(row[: max_new_tokens[i]], stop), skip_special_tokens=True)
     return out
 
 

@@ -182,6 +182,12 @@ class MetricsLogger:
                 f"step {step:>6}  loss {values['loss']:.4f}  lr {values['lr']:.2e}  grad_norm {values['grad_norm']:.3f}"
                 f"  {values['tokens_per_s']:.0f} tok/s  MFU {values['mfu']:.1%}"
                 + (f"  peak {values['peak_memory_bytes'] / 2**20:.0f} MiB" if values["peak_memory_bytes"] else "")
+                # grpo's loss hovers near 0 by construction: its reward is what a person watches
+                + (
+                    f"  reward {values['reward']:.3f}  length {values['completion_length']:.1f}"
+                    if "reward" in values
+                    else ""
+                )
             )
 
     def log_eval(self, step: int, loss: float) -> None:

@@ -80,16 +80,21 @@ def _series(records: list[dict], key: str, scale: float = 1.0) -> tuple[list[int
 
 def plot_run(output_dir: Path) -> list[Path]:
     """Draw loss (with eval loss), learning rate, grad norm, tokens/s, MFU and peak memory against the step
-    (and, for preference objectives, the rewards and the preference accuracy) into one multi-panel
+    (and, for preference objectives, the rewards and the preference accuracy; for grpo the rewards, the completions'
+    lengths and the groups without signal) into one multi-panel
     `output_dir/curves.png`; returns the files written."""
     output_dir = Path(output_dir)
     steps, evals = read_metrics(output_dir)
     preference = any("reward_margin" in r for r in steps)
+    grpo = any("frac_reward_zero_std" in r for r in steps)
     plt = _pyplot()
-    fig, axes = plt.subplots(3 if preference else 2, 3, figsize=(15, 12 if preference else 8), constrained_layout=True)
+    third = preference or grpo
+    fig, axes = plt.subplots(3 if third else 2, 3, figsize=(15, 12 if third else 8), constrained_layout=True)
     (ax_loss, ax_lr, ax_grad), (ax_tok, ax_mfu, ax_mem) = axes[:2]
     if preference:
         _plot_preference(steps, *axes[2])
+    if grpo:
+        _plot_grpo(steps, *axes[2])
 
     x, y = _series(steps, "loss")
     ax_loss.plot(x, y, label=f"train loss (per {'pair' if preference else 'trained token'})", color="tab:blue")
@@ -141,6 +146,29 @@ def _plot_preference(steps: list[dict], ax_rewards: Any, ax_accuracy: Any, ax_un
     ax_accuracy.plot(*_series(steps, "preference_accuracy", 100.0), color="tab:olive")
     ax_accuracy.set_title("preference accuracy (%: chosen rewarded above rejected)")
     ax_unused.axis("off")
+
+
+def _plot_grpo(steps: list[dict], ax_rewards: Any, ax_length: Any, ax_signal: Any) -> None:
+    x, mean = _series(steps, "reward")
+    _, std = _series(steps, "reward_std")
+    ax_rewards.plot(x, mean, label="reward (sum)", color="tab:blue")
+    if len(std) == len(mean):
+        ax_rewards.fill_between(
+            x,
+            [m - s for m, s in zip(mean, std, strict=True)],
+            [m + s for m, s in zip(mean, std, strict=True)],
+            alpha=0.2,
+        )
+    for key in sorted(k for k in steps[-1] if k.startswith("rewards/") and k.endswith("/mean")):
+        ax_rewards.plot(*_series(steps, key), label=key.removeprefix("rewards/").removesuffix("/mean"), alpha=0.7)
+    ax_rewards.set_title("reward (mean; band: mean std within a group)")
+    ax_rewards.legend(fontsize=7)
+    ax_length.plot(*_series(steps, "completion_length"), color="tab:cyan")
+    ax_length.set_title("completion length (tokens)")
+    ax_signal.plot(*_series(steps, "frac_reward_zero_std", 100.0), label="groups all alike", color="tab:red")
+    ax_signal.plot(*_series(steps, "clip_ratio", 100.0), label="clipped tokens", color="tab:olive")
+    ax_signal.set_title("% of groups without signal, % of tokens clipped")
+    ax_signal.legend()
 
 
 # ---------------------------------------------------------------- a bench's bars

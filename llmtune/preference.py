@@ -164,27 +164,43 @@ def token_logps(
         )
 
 
+def labelled_logps(
+    model: torch.nn.Module, impl: LossImpl, chunk_size: int, batch: dict[str, Tensor], temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """(fp32 log-prob of each labelled token, its flat index in the [rows, width] batch), in row-major order.
+
+    `temperature` divides the logits first (GRPO scores its samples as they were drawn, as TRL does)."""
+    inputs = {k: batch.get(k) for k in ("input_ids", "attention_mask", "position_ids")}
+    # hidden[t] predicts token t + 1: targets are shifted left by one.
+    targets = F.pad(batch["labels"], (0, 1), value=IGNORE)[:, 1:].reshape(-1)
+    rows = (targets != IGNORE).nonzero().squeeze(1)
+    scale, cap = logit_transform(model.config) if impl == "chunked" else (1.0, None)
+    if impl == "chunked" and (cap is None or temperature == 1.0):
+        decoder, head = decoder_and_head(model)
+        hidden = decoder(**inputs, use_cache=False).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+        logps = token_logps(
+            hidden,
+            head.weight,
+            targets[rows],
+            bias=head.bias,
+            chunk_size=chunk_size,
+            logit_scale=scale / temperature,
+            softcap=cap,
+        )
+    else:  # the model's own logits (full N x V, fp32): models whose logits the chunked path does not reproduce
+        logits = model(**inputs, use_cache=False).logits
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows).float() / temperature
+        logps = logits.log_softmax(-1).gather(1, targets[rows].unsqueeze(1)).squeeze(1)
+    return logps, rows
+
+
 def sequence_logps(
     model: torch.nn.Module, impl: LossImpl, chunk_size: int, batch: dict[str, Tensor]
 ) -> tuple[Tensor, Tensor]:
     """(summed completion log-probs, completion tokens) per sequence, each [pairs, 2] (chosen, rejected)."""
-    inputs = {k: batch.get(k) for k in ("input_ids", "attention_mask", "position_ids")}
-    # hidden[t] predicts token t + 1: targets and their sequence numbers are shifted left by one.
-    targets = F.pad(batch["labels"], (0, 1), value=IGNORE)[:, 1:].reshape(-1)
+    logps, rows = labelled_logps(model, impl, chunk_size, batch)
     segments = F.pad(batch["segment_ids"], (0, 1), value=-1)[:, 1:].reshape(-1)
-    rows = (targets != IGNORE).nonzero().squeeze(1)
-    if impl == "chunked":
-        decoder, head = decoder_and_head(model)
-        hidden = decoder(**inputs, use_cache=False).last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-        scale, cap = logit_transform(model.config)
-        logps = token_logps(
-            hidden, head.weight, targets[rows], bias=head.bias, chunk_size=chunk_size, logit_scale=scale, softcap=cap
-        )
-    else:  # the model's own logits (full N x V, fp32): models whose logits the chunked path does not reproduce
-        logits = model(**inputs, use_cache=False).logits
-        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows).float()
-        logps = logits.log_softmax(-1).gather(1, targets[rows].unsqueeze(1)).squeeze(1)
     count = 2 * batch["pair_ids"].shape[0]
     seq = segments[rows]
     sums = torch.zeros(count, dtype=torch.float32, device=logps.device).index_add(0, seq, logps)

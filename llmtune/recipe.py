@@ -58,15 +58,16 @@ class ModelConfig:
 @dataclass(frozen=True)
 class SourceConfig:
     path: str = doc("A local file (.jsonl/.json/.csv/.parquet/.arrow), a folder of them, or a hub dataset id.")
-    format: Literal["text", "prompt_completion", "messages", "preference"] = doc(
-        "How rows are rendered: raw text, a prompt and a completion, chat turns, or preference pairs (prompt,"
-        " chosen, rejected: strings or chat turns; for training.objective dpo / orpo / simpo).",
+    format: Literal["text", "prompt_completion", "messages", "preference", "prompt"] = doc(
+        "How rows are rendered: raw text, a prompt and a completion, chat turns, preference pairs (prompt,"
+        " chosen, rejected: strings or chat turns; for training.objective dpo / orpo / simpo), or prompts alone (a"
+        " string or chat turns; the row's other columns go to the reward functions; for training.objective grpo).",
         "prompt_completion",
     )
     fields: dict[str, str] = doc(
         "Map llmtune's field names (text / prompt / completion / messages / chosen / rejected) to this source's"
-        " column names,"
-        " e.g. {prompt: instruction, completion: output}.",
+        " column names, e.g. {prompt: instruction, completion: output}; for format prompt, also the names reward"
+        " functions receive, e.g. {answer: solution}.",
         factory=dict,
     )
     split: str = doc("Split to read (hub datasets and folders).", "train")
@@ -174,9 +175,11 @@ class TrainingConfig:
     )
     eval_every_n_steps: int = doc("Evaluate every N steps (0: only at the end) when there is eval data.", 0)
     max_nonfinite_steps: int = doc("Stop after this many consecutive non-finite losses.", 3)
-    objective: Literal["sft", "dpo", "orpo", "simpo"] = doc(
+    objective: Literal["sft", "dpo", "orpo", "simpo", "grpo"] = doc(
         "sft: next-token loss on the trained tokens; dpo (and IPO via preference.loss), orpo, simpo: preference"
-        " tuning on pairs (data format `preference`, settings under `preference:`), loss averaged over pairs.",
+        " tuning on pairs (data format `preference`, settings under `preference:`), loss averaged over pairs;"
+        " grpo: online RL on the policy's own completions of prompts (data format `prompt`, settings under `grpo:`;"
+        " global_batch_size and micro_batch_size count completions).",
         "sft",
     )
     compile: bool = doc(
@@ -279,6 +282,43 @@ PREFERENCE_KEYS = {
 
 
 @dataclass(frozen=True)
+class RewardConfig:
+    function: str = doc(
+        "`module:function` called with prompt=, completion= and the row's other fields as keywords; returns a"
+        " number. llmtune.rewards:exact_match ships (completion == the row's `answer`, spaces stripped)."
+    )
+    weight: float = doc("Its weight in the summed reward.", 1.0)
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    num_generations: int = doc("Completions sampled per prompt (the group whose rewards are compared).", 8)
+    max_new_tokens: int = doc("Longest completion; a prompt may take data.max_length tokens on top.", 256)
+    temperature: float = doc("Sampling temperature (the loss's log-probabilities use the same, as TRL's).", 1.0)
+    top_p: float = doc("Nucleus sampling: keep the smallest set of tokens with this much probability.", 1.0)
+    beta: float = doc(
+        "KL to the reference (the starting weights: adapters off under LoRA, else a frozen copy); 0: no reference.",
+        0.0,
+    )
+    epsilon: float = doc("Lower clip of the probability ratio: 1 - epsilon.", 0.2)
+    epsilon_high: float | None = doc(
+        "Upper clip: 1 + epsilon_high (DAPO's clip-higher uses 0.28); null: epsilon.", None
+    )
+    loss: Literal["grpo", "dr_grpo", "dapo"] = doc(
+        "Averaging: grpo per completion then over completions; dr_grpo over completions x max_new_tokens;"
+        " dapo over the completion tokens of the global batch (TRL's default).",
+        "dapo",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = doc(
+        "Divide advantages by the std of rewards in the group, in the global batch, or not at all (Dr. GRPO).", "group"
+    )
+    num_iterations: int = doc("Optimizer steps per batch of completions (their old log-probs are kept).", 1)
+    rewards: list[RewardConfig] = doc(
+        "Reward functions, summed by weight.", factory=lambda: [RewardConfig("llmtune.rewards:exact_match")]
+    )
+
+
+@dataclass(frozen=True)
 class Recipe:
     model: ModelConfig = doc("The causal LM and its tokenizer.")
     data: DataConfig = doc("Where the examples come from and how they become tokens.", factory=DataConfig)
@@ -292,6 +332,7 @@ class Recipe:
     preference: PreferenceConfig = doc(
         "Preference tuning settings (training.objective dpo / orpo / simpo).", factory=PreferenceConfig
     )
+    grpo: GRPOConfig = doc("Online RL settings (training.objective grpo).", factory=GRPOConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -343,7 +384,7 @@ def reference() -> str:
             if f.default is not dataclasses.MISSING:
                 default = yaml.safe_dump(f.default, default_flow_style=True).strip().removesuffix("...").strip()
             elif f.default_factory is not dataclasses.MISSING and not nested:
-                default = yaml.safe_dump(f.default_factory(), default_flow_style=True).strip()
+                default = yaml.safe_dump(_plain(f.default_factory()), default_flow_style=True).strip()
             else:
                 default = "required" if f.default_factory is dataclasses.MISSING else ""
             kind = "list of mappings" if item and nested else "mapping" if nested else _describe(tp).replace("|", "\\|")
@@ -393,7 +434,7 @@ def json_schema() -> dict[str, Any]:
             if f.default is not dataclasses.MISSING:
                 prop["default"] = f.default
             elif f.default_factory is not dataclasses.MISSING and not dataclasses.is_dataclass(hints[f.name]):
-                prop["default"] = f.default_factory()
+                prop["default"] = _plain(f.default_factory())
             elif f.default_factory is dataclasses.MISSING:
                 required.append(f.name)
             properties[f.name] = prop
@@ -411,6 +452,13 @@ def json_schema() -> dict[str, Any]:
         "description": "Generated from llmtune/recipe.py by `llmtune schema`; see docs/recipes.md.",
         **root,
     }
+
+
+def _plain(value: Any) -> Any:
+    """A default as YAML and JSON write it: dataclasses (grpo.rewards' items) as mappings."""
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    return [_plain(v) for v in value] if isinstance(value, list) else value
 
 
 def dump_recipe(recipe: Recipe) -> str:
@@ -618,6 +666,7 @@ def _check_values(r: Recipe) -> list[tuple[str, str]]:
     need(r.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     need(r.logging.every_n_steps >= 1, "logging.every_n_steps", "must be >= 1")
     problems += _check_objective(r)
+    problems += _check_grpo(r)
     if r.memory.budget != "auto":
         try:
             from llmtune.units import parse_bytes
@@ -627,6 +676,51 @@ def _check_values(r: Recipe) -> list[tuple[str, str]]:
             problems.append(
                 ("memory.budget", f"`memory.budget` must be auto or a size like 20GiB, got {r.memory.budget!r}")
             )
+    return problems
+
+
+def _check_grpo(r: Recipe) -> list[tuple[str, str]]:
+    """`grpo:` keys set without objective grpo, and values no sampler or loss accepts."""
+    g, problems = r.grpo, []
+    if r.training.objective != "grpo":
+        changed = [k for k in dataclasses.asdict(g) if getattr(g, k) != getattr(GRPOConfig(), k)]
+        return [
+            (f"grpo.{k}", f"`grpo.{k}` applies to training.objective grpo, not {r.training.objective}") for k in changed
+        ]
+
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            problems.append((key, f"`{key}` {why}"))
+
+    need(g.num_generations >= 2, "grpo.num_generations", "must be >= 2 (a group compares its completions)")
+    need(
+        r.training.global_batch_size % g.num_generations == 0,
+        "training.global_batch_size",
+        f"({r.training.global_batch_size}) counts completions: it must be a multiple of grpo.num_generations"
+        f" ({g.num_generations})",
+    )
+    need(g.max_new_tokens > 0, "grpo.max_new_tokens", "must be positive")
+    need(g.temperature > 0, "grpo.temperature", "must be positive")
+    need(0 < g.top_p <= 1, "grpo.top_p", "must be in (0, 1]")
+    need(g.beta >= 0, "grpo.beta", "must be >= 0")
+    need(0 <= g.epsilon < 1, "grpo.epsilon", "must be in [0, 1)")
+    need(g.epsilon_high is None or g.epsilon_high >= 0, "grpo.epsilon_high", "must be >= 0")
+    need(g.num_iterations >= 1, "grpo.num_iterations", "must be >= 1")
+    need(bool(g.rewards), "grpo.rewards", "must name at least one reward function")
+    for i, reward in enumerate(g.rewards):
+        need(":" in reward.function, f"grpo.rewards[{i}].function", f"must be module:function, got {reward.function!r}")
+    every = r.checkpoint.every_n_steps
+    need(
+        every % g.num_iterations == 0,
+        "checkpoint.every_n_steps",
+        f"({every}) must be a multiple of grpo.num_iterations ({g.num_iterations}): a checkpoint inside a batch of"
+        " completions would resume with completions sampled again from other weights",
+    )
+    need(
+        not r.data.eval and r.data.eval_fraction == 0,
+        "data.eval",
+        "is not read by grpo (its metrics are the rewards of each step): leave data.eval and data.eval_fraction unset",
+    )
     return problems
 
 
@@ -646,11 +740,12 @@ def _check_objective(r: Recipe) -> list[tuple[str, str]]:
                     f"`preference.{key}` applies to training.objective {' / '.join(owners)}, not {objective}",
                 )
             )
-    preference_data = objective != "sft"
+    wanted = {"sft": None, "grpo": "prompt"}.get(objective, "preference")
     for split in ("train", "eval"):
         for i, src in enumerate(getattr(r.data, split)):
-            if (src.format == "preference") != preference_data:
-                need = "format: preference" if preference_data else "an sft format (not preference)"
+            ok = src.format == wanted if wanted else src.format not in ("preference", "prompt")
+            if not ok:
+                need = f"format: {wanted}" if wanted else "an sft format (not preference or prompt)"
                 problems.append(
                     (
                         f"data.{split}",

@@ -74,7 +74,9 @@ def build(recipe: Recipe) -> Run:
         model, recipe, objective, plan, loss_impl=loss_impl, engine=engine, precision=precision, accelerator=accelerator
     )
     # Through the prepared module, before any update or resume (DPO's precomputed reference).
-    context = AttachContext(recipe, accelerator, precision, loss_impl, tokenizer.pad_token_id, plan.micro_batch_size)
+    context = AttachContext(
+        recipe, accelerator, precision, loss_impl, tokenizer.pad_token_id, plan, tokenizer, engine, parts.optimizer
+    )
     data = objective.attach(parts.module, data, context)
     if recipe.peft.method != "none":
         checkpoint.save_trainable_only(accelerator)
@@ -135,15 +137,17 @@ def fit(run: Run) -> dict[str, Any]:
     # Log lines go through the progress bar's own writer: printed straight to the terminal, they land on the bar's line.
     with Preemption() as preemption, logging_redirect_tqdm():
         while step < r.training.max_steps:
+            data_step, drawn = run.objective.draw(step, r.training.global_batch_size)
             examples = batch_for_step(
                 run.data.train,
-                step=step,
-                global_batch_size=r.training.global_batch_size,
+                step=data_step,
+                global_batch_size=drawn,
                 seed=r.seed,
                 rank=acc.process_index,
                 world_size=acc.num_processes,
                 group_by_length=r.data.group_by_length,
             )
+            examples = run.objective.rollout(examples, step)  # GRPO: the policy's completions of these prompts
             lr = set_learning_rate(run.optimizer, r, step)
             t0 = time.perf_counter()  # the step; with its evaluation and checkpoint below, the grace a signal gives
             result, peak, reserved = measured_step(run, examples, step)

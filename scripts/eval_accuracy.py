@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 from pathlib import Path
 
 import torch
@@ -33,20 +35,45 @@ def main() -> None:
     parser.add_argument("--data", required=True)
     parser.add_argument("--limit", type=int, default=200)
     parser.add_argument("--random-init", action="store_true", help="score an untrained model (the baseline)")
+    parser.add_argument("--fresh-addition", type=int, default=0, help="also score N additions absent from the data")
+    parser.add_argument("--exclude", nargs="*", default=[], help="files whose questions --fresh-addition avoids")
     args = parser.parse_args()
 
     run = untrained(args.model) if args.random_init else load_run(args.model)
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()][: args.limit]
+    if args.fresh_addition:
+        seen = [args.data, *args.exclude]
+        rows += fresh_additions(
+            args.fresh_addition, [json.loads(x) for f in seen for x in Path(f).read_text().splitlines()]
+        )
     by_kind: dict[str, list[bool]] = {}
     for row in rows:
         target = run.tokenizer(row["completion"], add_special_tokens=False).input_ids
         answer_text = reply(run, [{"role": "user", "content": row["prompt"]}], Sampling(max_new_tokens=len(target) + 2))
-        kind = row["prompt"].split()[0]  # What / Reverse / Sort
+        kind = row.get("kind") or row["prompt"].split()[0]  # What / Reverse / Sort, or fresh additions
         by_kind.setdefault(kind, []).append(answer_text.strip() == row["completion"].strip())
-    total = [ok for oks in by_kind.values() for ok in oks]
-    print(f"exact-match accuracy on {len(total)} eval rows: {sum(total) / len(total):.1%}")
+    total = [ok for kind, oks in by_kind.items() if kind != FRESH for ok in oks]
+    print(f"exact-match accuracy on {len(total)} eval rows: {sum(total) / len(total):.1%} {error_bar(total)}")
     for kind, oks in sorted(by_kind.items()):
-        print(f"  {kind:<8} {sum(oks) / len(oks):6.1%}  ({len(oks)} rows)")
+        print(f"  {kind:<8} {sum(oks) / len(oks):6.1%} {error_bar(oks)}  ({len(oks)} rows)")
+
+
+def error_bar(oks: list[bool]) -> str:
+    """The binomial standard error of a share: how far another sample of as many questions could land."""
+    p = sum(oks) / len(oks)
+    return f"+/- {math.sqrt(p * (1 - p) / len(oks)):.1%}"
+
+
+FRESH = "addition(fresh)"
+
+
+def fresh_additions(n: int, seen_rows: list[dict]) -> list[dict]:
+    """`n` two-digit additions (0-99 + 0-99, as the quickstart's) whose question is in none of `seen_rows`: more
+    held-out addition questions than eval.jsonl's 67, for a tighter error bar. Seeded: the same set every time."""
+    seen = {row["prompt"] for row in seen_rows}
+    pairs = [(a, b) for a in range(100) for b in range(100) if f"What is {a} + {b}?\nAnswer:" not in seen]
+    random.Random(0).shuffle(pairs)
+    return [{"prompt": f"What is {a} + {b}?\nAnswer:", "completion": f" {a + b}", "kind": FRESH} for a, b in pairs[:n]]
 
 
 if __name__ == "__main__":

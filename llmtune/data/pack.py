@@ -21,7 +21,7 @@ import pyarrow as pa
 from llmtune.data.seeds import subseed
 
 # The columns the loop reads. position_ids: packed rows, and preference pairs (two sequences per example).
-COLUMNS = ("input_ids", "labels", "length", "position_ids")
+COLUMNS = ("input_ids", "labels", "length", "position_ids", "fields")
 
 
 def first_fit(lengths: list[int] | np.ndarray, capacity: int) -> list[list[int]]:

@@ -76,8 +76,13 @@ def prepare_data(
     layouts = {p.layout for p in train_parts}
     layout = layouts.pop() if len(layouts) == 1 else "plain"
     return PreparedData(
-        train=train, eval=evaluation, stats=train_stats, packed=cfg.packing, eval_stats=eval_stats, prompt_layout=layout
+        train=train, eval=evaluation, stats=train_stats, packed=packs(cfg), eval_stats=eval_stats, prompt_layout=layout
     )
+
+
+def packs(cfg: DataConfig) -> bool:
+    """Whether rows are packed: as the recipe says, except prompts (grpo), which are generated from one by one."""
+    return cfg.packing and not any(src.format == "prompt" for src in cfg.train)
 
 
 def _train_split(parts: list[TokenisedSource], cfg: DataConfig, seed: int) -> tuple[datasets.Dataset, DataStats]:
@@ -117,7 +122,7 @@ def _finish(
     seed: int,
 ) -> tuple[datasets.Dataset, DataStats]:
     """Pack if asked, count, and keep only the columns the loop reads."""
-    rows = pack(data, cfg.max_length, seed=seed) if cfg.packing else data
+    rows = pack(data, cfg.max_length, seed=seed) if packs(cfg) else data
     per_source = zip(names, counts, strict=True)
-    stats = split_stats(data, rows, parts, per_source, max_length=cfg.max_length, packed=cfg.packing)
+    stats = split_stats(data, rows, parts, per_source, max_length=cfg.max_length, packed=packs(cfg))
     return rows.select_columns([c for c in COLUMNS if c in rows.column_names]), stats

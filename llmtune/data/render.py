@@ -30,6 +30,7 @@ FORMAT_FIELDS = {
     "prompt_completion": ("prompt", "completion"),
     "messages": ("messages",),
     "preference": ("prompt", "chosen", "rejected"),
+    "prompt": ("prompt",),
 }
 SHAREGPT_ROLES = {
     "human": "user",
@@ -73,7 +74,7 @@ def resolve_columns(src: SourceConfig, columns: list[str]) -> dict[str, str]:
     Returns {llmtune field: column}; for Alpaca the keys are `instruction`, `input` (optional), `completion`.
     """
     unknown = set(src.fields) - set(FORMAT_FIELDS[src.format]) - {"instruction", "input"}
-    if unknown:
+    if unknown and src.format != "prompt":  # a prompt row's other fields are named for its reward functions
         raise DataError(
             f"{src.path}: row 1: field `{sorted(unknown)[0]}`: not a field of format {src.format!r}"
             f" (fields are {', '.join(FORMAT_FIELDS[src.format])})"

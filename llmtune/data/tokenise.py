@@ -17,6 +17,7 @@ import numpy as np
 
 from llmtune.data.load import load_source
 from llmtune.data.pairs import render_pair, truncate_pair
+from llmtune.data.prompts import render_prompt_row
 from llmtune.data.render import (
     IGNORE,
     DataError,
@@ -59,7 +60,9 @@ def tokenise_source(src: SourceConfig, cfg: DataConfig, tokenizer: Any) -> Token
         fn_kwargs={"src": src, "columns": columns, "tokenizer": tokenizer, "train_on": cfg.train_on},
         desc=f"Tokenising {src.path}",
     )
-    data, truncated, reasons = apply_length_policy(tokenised, cfg.max_length, cfg.overlong)
+    # A prompt cut short asks another question: overlong prompts are dropped whatever `overlong` says.
+    overlong = "drop" if src.format == "prompt" else cfg.overlong
+    data, truncated, reasons = apply_length_policy(tokenised, cfg.max_length, overlong)
     if truncated or reasons:
         logger.warning(
             "%s: %d of %d examples longer than %d tokens were truncated, %d dropped %s",
@@ -87,6 +90,14 @@ def tokenise_row(
             return render_pair(canonical, columns, tokenizer)
         except DataError as err:  # pairs name the field themselves (chosen or rejected)
             raise DataError(f"{where}: {err}") from None
+    if src.format == "prompt":
+        try:
+            return render_prompt_row(row, src.fields, columns["prompt"], tokenizer)
+        except DataError as err:
+            raise DataError(f"{where}: {err}") from None
+        except Exception as err:  # a chat template may raise anything
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise DataError(f"{where}: field `{columns['prompt']}`: cannot render: {first_line}") from err
     first_column = next(iter(columns.values()))
     try:
         ids, labels = _render(src.format, canonical, columns, tokenizer, train_on)

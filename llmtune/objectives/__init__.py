@@ -7,7 +7,11 @@ An objective says
 * `units`: what the loss is averaged over in a batch (SFT: trained tokens; preference: pairs);
 * `metrics`: its own metrics.jsonl values from the summed stats of a step;
 * `check_engine`: what it refuses under an engine, before anything loads;
-* `attach`: what must run on the prepared module before the first update (DPO's precomputed reference).
+* `attach`: what must run on the prepared module before the first update (DPO's precomputed reference);
+* `draw`: which data step, and how many of its rows, an optimizer step takes (GRPO: prompts, num_iterations steps
+  on each batch);
+* `rollout`: the rows a step trains on, made from the rows drawn (GRPO: the policy's completions, rewarded);
+  `FromData` gives both for objectives that train on their data's rows as they are.
 
 A new objective is a new module here with a class that has these, and one line in `objective_for`.
 """
@@ -25,6 +29,10 @@ def objective_for(recipe: Recipe) -> Objective:
         from llmtune.objectives.sft import SFT
 
         return SFT()
+    if name == "grpo":
+        from llmtune.objectives.grpo import GRPO
+
+        return GRPO(recipe.grpo, recipe.peft.method, recipe.seed)
     from llmtune.objectives.preference import Preference
 
     return Preference(name, recipe.preference, recipe.peft.method)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from llmtune.data import PreparedData
+    from llmtune.memory import BatchPlan
 
 
 class Objective(Protocol):
@@ -35,6 +37,22 @@ class Objective(Protocol):
 
     def attach(self, prepared: torch.nn.Module, data: PreparedData, context: AttachContext) -> PreparedData: ...
 
+    def draw(self, step: int, global_batch_size: int) -> tuple[int, int]: ...
+
+    def rollout(self, examples: list[dict], step: int) -> list[dict]: ...
+
+
+class FromData:
+    """What an objective that trains on its data's rows as they are (SFT, preference) says to `draw` and `rollout`."""
+
+    def draw(self, step: int, global_batch_size: int) -> tuple[int, int]:
+        """(the data step whose rows optimizer step `step` trains on, rows in that global batch)."""
+        return step, global_batch_size
+
+    def rollout(self, examples: list[dict], step: int) -> list[dict]:
+        """The rows the step trains on, made from the rows drawn for it."""
+        return examples
+
 
 @dataclass(frozen=True)
 class AttachContext:
@@ -45,7 +63,21 @@ class AttachContext:
     precision: str
     loss_impl: str
     pad_token_id: int
-    micro_batch_size: int
+    plan: BatchPlan  # the micro-batch; grpo: the rows of a generate call and their predicted peak
+    tokenizer: Any
+    engine: str
+    optimizer: torch.optim.Optimizer  # with the module, what is resident while a step's completions are sampled
+
+
+def frozen_copy(model: torch.nn.Module, device: torch.device, weights_dtype: torch.dtype | None) -> torch.nn.Module:
+    """The starting weights, frozen, before any update: a reference kept outside the prepared module goes to `device`
+    with its parameters in `weights_dtype` (parallel.weights_dtype), as nothing else would put it where the policy
+    computes."""
+    frozen = copy.deepcopy(model).requires_grad_(False).eval().to(device)
+    if weights_dtype is not None:
+        for p in frozen.parameters():  # parameters only, as FSDP2 and DeepSpeed cast the policy's
+            p.data = p.data.to(weights_dtype)
+    return frozen
 
 
 def trained_tokens(batch: dict[str, torch.Tensor]) -> int:

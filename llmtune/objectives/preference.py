@@ -3,7 +3,6 @@ are llmtune.preference's; this says how the loop trains them (pairs are the unit
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,6 +11,7 @@ import torch
 
 from llmtune import preference
 from llmtune.model import SetupError, weights_signature
+from llmtune.objectives.base import FromData, frozen_copy
 from llmtune.recipe import PreferenceConfig
 
 if TYPE_CHECKING:
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from llmtune.objectives.base import AttachContext
 
 
-class Preference:
+class Preference(FromData):
     def __init__(self, name: str, cfg: PreferenceConfig, peft_method: str) -> None:
         self.name, self.cfg = name, cfg
         self.reference = preference.resolve_reference(name, cfg, peft_method)
@@ -27,14 +27,7 @@ class Preference:
     def module(
         self, model: torch.nn.Module, loss_impl: str, device: torch.device, weights_dtype: torch.dtype | None
     ) -> torch.nn.Module:
-        """A frozen copy (preference.reference=copy) goes to `device` with its parameters in `weights_dtype`
-        (parallel.weights_dtype): outside the prepared module, nothing else would put it where the policy computes."""
-        frozen = None
-        if self.reference == "copy":  # the starting weights, frozen, before any update
-            frozen = copy.deepcopy(model).requires_grad_(False).eval().to(device)
-            if weights_dtype is not None:
-                for p in frozen.parameters():  # parameters only, as FSDP2 and DeepSpeed cast the policy's
-                    p.data = p.data.to(weights_dtype)
+        frozen = frozen_copy(model, device, weights_dtype) if self.reference == "copy" else None
         return preference.PreferenceModel(model, loss_impl, self.name, self.cfg, self.reference, frozen)
 
     collate = staticmethod(preference.collate_pairs)
@@ -76,7 +69,7 @@ class Preference:
             return preference.collate_pairs(examples, pad_token_id=context.pad_token_id, packed=data.packed)
 
         def attach_rows(rows: Any) -> Any:
-            acc, batch = context.accelerator, context.micro_batch_size
+            acc, batch = context.accelerator, context.plan.micro_batch_size
             return preference.with_reference(prepared, rows, collate_rows, batch, acc, cache, settings)
 
         return replace(data, train=attach_rows(data.train), eval=None if data.eval is None else attach_rows(data.eval))

@@ -8,14 +8,14 @@ import torch
 
 from llmtune.data import collate
 from llmtune.loss import CausalLMWithLoss
-from llmtune.objectives.base import trained_tokens
+from llmtune.objectives.base import FromData, trained_tokens
 
 if TYPE_CHECKING:
     from llmtune.data import PreparedData
     from llmtune.objectives.base import AttachContext
 
 
-class SFT:
+class SFT(FromData):
     name = "sft"
 
     def module(

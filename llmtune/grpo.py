@@ -1,0 +1,282 @@
+"""GRPO (and its Dr. GRPO and DAPO losses): online RL on the policy's own completions, rewarded by functions.
+
+The machinery llmtune.objectives.grpo plugs into the loop:
+
+* rewards (`load_rewards`, `score`): `module:function` names from the recipe, called with prompt=, completion=
+  and the row's other fields; anything but a finite number stops the run naming the function and the prompt;
+* advantages (`group_advantages`): each completion's reward less its group's mean, divided by the group's (or
+  the batch's) std, as TRL 1.16 computes them;
+* sampling (`generate_completions`, inside `GRPOModel`'s forward): the group's completions of each prompt with a
+  KV cache (transformers' `generate`), ending at any of the stop ids. Each completion draws its noise from a
+  generator of its own, seeded by the run's seed, the step, the row's content and its place in the group
+  (Gumbel-max: the argmax of logits / T + Gumbel noise is a sample of the softmax), so a completion is the same
+  whatever the batch or the number of processes;
+* the loss (`token_losses`, `GRPOModel`): TRL's clipped importance-weighted per-token loss with the k3 KL
+  estimator, summed over the objective's units (completions; completions x max_new_tokens; tokens) so the loop
+  divides by the units of the whole window on all processes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from llmtune.data import IGNORE
+from llmtune.errors import UserError
+from llmtune.loss import LossImpl, default_chunk_size, text_config
+from llmtune.preference import labelled_logps
+from llmtune.recipe import GRPOConfig, RewardConfig
+
+STATS = ("clipped_tokens", "kl", "completion_tokens")
+
+
+class RewardError(UserError, ValueError):
+    """A reward function that cannot be found, raises, or returns something other than a finite number."""
+
+
+class Reward(NamedTuple):
+    name: str  # as the recipe names it: module:function
+    fn: Callable[..., Any]
+    weight: float
+
+
+# ---------------------------------------------------------------- rewards
+
+
+def load_rewards(configs: Sequence[RewardConfig]) -> list[Reward]:
+    """Import every reward function the recipe names, before anything heavy loads."""
+    rewards = []
+    for i, cfg in enumerate(configs):
+        module_name, _, attr = cfg.function.partition(":")
+        where = f"grpo.rewards[{i}].function {cfg.function!r}"
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise RewardError(f"{where}: cannot import module {module_name!r} ({err})") from None
+        fn = getattr(module, attr, None)
+        if not callable(fn):
+            found = "not callable" if fn is not None else "not found"
+            raise RewardError(f"{where}: {attr!r} is {found} in module {module_name!r} ({module.__file__})")
+        rewards.append(Reward(cfg.function, fn, cfg.weight))
+    return rewards
+
+
+def score(rewards: Sequence[Reward], rows: Sequence[dict], completions: Sequence[str], step: int) -> Tensor:
+    """Rewards [completions, functions]; `rows[i]` is the prompt row completion i answers (its `fields`)."""
+    out = torch.zeros(len(completions), len(rewards), dtype=torch.float64)
+    for i, (row, completion) in enumerate(zip(rows, completions, strict=True)):
+        fields = json.loads(row["fields"])
+        prompt = fields.pop("prompt")
+        for j, reward in enumerate(rewards):
+            where = (
+                f"reward {reward.name} on the completion {completion!r:.60} of prompt {prompt!r:.80} (step {step + 1})"
+            )
+            try:
+                value = reward.fn(prompt=prompt, completion=completion, **fields)
+            except Exception as err:  # the user's code: any failure stops the run with one line
+                raise RewardError(f"{where}: raised {type(err).__name__}: {err}") from err
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise RewardError(f"{where}: returned {value!r:.40} ({type(value).__name__}), not a finite number")
+            out[i, j] = float(value)
+    return out
+
+
+def group_advantages(rewards: Tensor, group: int, scale: str) -> tuple[Tensor, Tensor]:
+    """(advantages, each completion's group std) of summed rewards [N] in consecutive groups of `group`, as TRL:
+    reward less the group's mean, divided by the group's (scale=group) or the batch's (batch) std + 1e-4, whose
+    Bessel correction TRL's `nanstd` applies too."""
+    grouped = rewards.view(-1, group)
+    mean = grouped.mean(1).repeat_interleave(group)
+    group_std = grouped.std(1).repeat_interleave(group)
+    std = rewards.std().expand_as(rewards) if scale == "batch" else group_std
+    advantages = rewards - mean
+    if scale != "none":
+        advantages = advantages / (std + 1e-4)
+    return advantages, group_std
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def completion_seed(seed: int, step: int, row: dict, k: int) -> int:
+    """The seed of the k-th completion of a prompt row at a step: from its content, not its place in the batch."""
+    return zlib.crc32(json.dumps([seed, step, row["input_ids"], row["fields"], k]).encode())
+
+
+class GumbelSampling(LogitsProcessor):
+    """Temperature, top-p, then per-row Gumbel noise: greedy decoding of these scores samples each row from its
+    own generator (`seeds`), independent of the other rows."""
+
+    def __init__(self, seeds: Sequence[int], temperature: float, top_p: float):
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        scores = scores.float() / self.temperature
+        if self.top_p < 1.0:  # as transformers' TopPLogitsWarper: drop the tail outside the top_p mass
+            ordered, order = scores.sort(-1, descending=False)
+            tail = ordered.softmax(-1).cumsum(-1) <= 1 - self.top_p
+            tail[:, -1] = False  # the most likely token always stays
+            scores = scores.masked_fill(tail.scatter(1, order, tail), -math.inf)
+        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.generators])
+        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20, max=1 - 1e-7)))
+        return scores + gumbel.to(scores.device)
+
+
+class Sampling(NamedTuple):
+    """What to sample: one completion per (prompt, seed), `batch_rows` rows per `generate` call at most; `synced`:
+    every process runs as many forwards as the longest (FSDP2, ZeRO-3: each forward gathers weights with the
+    others)."""
+
+    prompts: Sequence[list[int]]
+    seeds: Sequence[int]
+    cfg: GRPOConfig
+    stop: Sequence[int]
+    pad: int
+    batch_rows: int
+    synced: bool
+
+
+def generate_completions(model: Any, s: Sampling) -> list[list[int]]:
+    """Each completion's ids up to and with its first stop id (or max_new_tokens of them).
+
+    Only prompts of one length share a `generate` call (as generate.batch_answers), so no row is padded and each
+    is computed as it would be alone."""
+    order: dict[int, list[int]] = {}
+    for i, ids in enumerate(s.prompts):
+        order.setdefault(len(ids), []).append(i)
+    device = next(model.parameters()).device
+    config = GenerationConfig(
+        max_new_tokens=s.cfg.max_new_tokens, do_sample=False, eos_token_id=list(s.stop), pad_token_id=s.pad
+    )
+    stop, synced, cfg, prompts, seeds, batch_rows = s.stop, s.synced, s.cfg, s.prompts, s.seeds, s.batch_rows
+    out: list[list[int]] = [[] for _ in prompts]
+    for length, indices in sorted(order.items()):
+        for start in range(0, len(indices), batch_rows):
+            chunk = indices[start : start + batch_rows]
+            inputs = torch.tensor([prompts[i] for i in chunk], device=device)
+            processor = GumbelSampling([seeds[i] for i in chunk], cfg.temperature, cfg.top_p)
+            generated = model.generate(
+                inputs,
+                attention_mask=torch.ones_like(inputs),
+                generation_config=config,
+                logits_processor=LogitsProcessorList([processor]),
+                synced_gpus=synced,
+            )
+            for row, i in zip(generated[:, length:].tolist(), chunk, strict=True):
+                end = next((k + 1 for k, token in enumerate(row) if token in stop), len(row))
+                out[i] = row[:end]
+    return out
+
+
+# ---------------------------------------------------------------- the loss
+
+
+def token_losses(
+    logps: Tensor, old: Tensor, advantages: Tensor, ref: Tensor | None, cfg: GRPOConfig
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(per-token loss, per-token KL, clipped tokens) as TRL's `_compute_loss` (token-level importance sampling):
+    -min(r * A, clip(r, 1 - eps, 1 + eps_high) * A) + beta * (exp(ref - logp) - (ref - logp) - 1)."""
+    high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    ratio = torch.exp(logps - old)
+    clipped_ratio = ratio.clamp(1 - cfg.epsilon, 1 + high)
+    loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
+    kl = torch.zeros_like(logps)
+    if cfg.beta != 0.0:
+        kl = torch.exp(ref - logps) - (ref - logps) - 1
+        loss = loss + cfg.beta * kl
+    # TRL's clip_ratio/region_mean: the tokens whose gradient the clip removed.
+    clipped = ((ratio < 1 - cfg.epsilon) & (advantages < 0)) | ((ratio > 1 + high) & (advantages > 0))
+    return loss, kl, clipped
+
+
+def reduce_losses(loss: Tensor, row: Tensor, rows: int, kind: str) -> Tensor:
+    """The loss summed over the objective's units: per-completion means summed (grpo), or the tokens' sum."""
+    if kind != "grpo":
+        return loss.sum()
+    sums = torch.zeros(rows, dtype=loss.dtype, device=loss.device).index_add(0, row, loss)
+    counts = torch.zeros(rows, dtype=loss.dtype, device=loss.device).index_add(0, row, torch.ones_like(loss))
+    return (sums / counts.clamp(min=1)).sum()
+
+
+def units_of(batch: dict[str, Tensor], cfg: GRPOConfig) -> int:
+    """What the loss is averaged over: completions (grpo), completions x max_new_tokens (dr_grpo), tokens (dapo)."""
+    completions = int(batch["advantages"].numel())
+    if cfg.loss == "grpo":
+        return completions
+    if cfg.loss == "dr_grpo":
+        return completions * cfg.max_new_tokens
+    return int((batch["labels"][:, 1:] != IGNORE).sum())
+
+
+class GRPOModel(torch.nn.Module):
+    """A causal LM whose forward returns [loss summed over units, *STATS summed] (the loop's contract).
+
+    `reference`: adapter_disabled (the same peft model, adapters off), copy (`reference_model`, frozen, outside
+    this module's parameters) or none (beta 0). With `logps_only`, the forward returns the labelled tokens'
+    log-probs (the old log-probs of num_iterations > 1, computed through the prepared module)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        impl: LossImpl,
+        cfg: GRPOConfig,
+        reference: str,
+        reference_model: torch.nn.Module | None = None,
+    ):
+        super().__init__()
+        self.model, self.impl, self.cfg, self.reference = model, impl, cfg, reference
+        self.chunk_size = default_chunk_size(text_config(model.config).vocab_size)
+        self._reference_model = (reference_model,)  # a tuple: not registered as a submodule
+
+    def logps(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        return labelled_logps(model, self.impl, self.chunk_size, batch, self.cfg.temperature)
+
+    def reference_logps(self, batch: dict[str, Tensor]) -> Tensor | None:
+        if self.reference == "none":
+            return None
+        with torch.no_grad():
+            if self.reference == "adapter_disabled":
+                with self.model.disable_adapter():
+                    return self.logps(self.model, batch)[0]
+            return self.logps(self._reference_model[0], batch)[0]
+
+    def forward(self, logps_only: bool = False, sample: Sampling | None = None, **batch: Tensor) -> Any:
+        if sample is not None:
+            # Sampling runs inside this module's forward: under FSDP2 only the root's forward gathers the root's
+            # weights (embeddings, final norm, head), and the blocks may run only after it.
+            return generate_completions(self.model, sample)
+        if logps_only:
+            return self.logps(self.model, batch)[0]
+        # The reference runs first, under no_grad: its activations are gone before the policy's are kept.
+        ref = self.reference_logps(batch)
+        logps, flat = self.logps(self.model, batch)
+        row = flat // batch["labels"].shape[1]
+        old = batch["old_logps"] if "old_logps" in batch else logps.detach()
+        loss, kl, clipped = token_losses(logps, old, batch["advantages"][row].float(), ref, self.cfg)
+        total = reduce_losses(loss, row, batch["labels"].shape[0], self.cfg.loss)
+        stats = torch.stack([clipped.float().sum(), kl.detach().sum(), torch.tensor(float(len(logps)))])
+        return torch.cat([total.unsqueeze(0), stats.to(total.device)])
+
+
+def collate_completions(
+    examples: list[dict], *, pad_token_id: int, packed: bool = False, pad_to_multiple_of: int | None = None
+) -> dict[str, Tensor]:
+    """Prompt + completion rows, right-padded (llmtune.data.collate), with each row's advantage and, when the
+    rollout kept them, its tokens' old log-probs (flat, in the order `labelled_logps` returns tokens)."""
+    from llmtune.data import collate
+
+    rows = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples]
+    batch = collate(rows, pad_token_id=pad_token_id, packed=False, pad_to_multiple_of=pad_to_multiple_of)
+    batch["advantages"] = torch.tensor([e["advantage"] for e in examples], dtype=torch.float32)
+    if "old_logps" in examples[0]:
+        batch["old_logps"] = torch.tensor([x for e in examples for x in e["old_logps"]], dtype=torch.float32)
+    return batch
