@@ -58,7 +58,9 @@ def plan_run(
     recipe: Recipe, config: Any, precision: str, acc: Accelerator, engine: str, trained_fraction: float = 1.0
 ) -> BatchPlan:
     """The micro-batch and the checkpointing: the recipe's where it fixes them, else the fastest the memory estimate
-    and the time model find within the budget (`plan_recipe`)."""
+    and the time model find within the budget (`plan_recipe`). grpo is planned against the budget either way: its
+    generation rows (`BatchPlan.generation_rows`) are the planner's to choose, the step's fixed or not."""
+    from llmtune.model import whole_model_init
     from llmtune.parallel import SHARDING, decided_by_main
 
     t, n = recipe.training, acc.num_processes
@@ -72,7 +74,7 @@ def plan_run(
                 f"training.global_batch_size={t.global_batch_size} = {n} processes x {per_process} per"
                 f" process, which training.micro_batch_size={t.micro_batch_size} does not divide"
             )
-        if fixed is not None:
+        if fixed is not None and t.objective != "grpo":
             return BatchPlan(t.micro_batch_size, per_process // t.micro_batch_size, n, "recipe", checkpointing=fixed)
     budget = resolve_budget(recipe.memory.budget, acc.device)
     # Free memory can differ between devices; every process must train the same micro-batch.
@@ -82,7 +84,9 @@ def plan_run(
     def plan() -> BatchPlan:
         # Planning runs real ops on random tensors (the rates) and must leave the run's random state as it found
         # it: the model's initialisation and the data order come after it.
-        with torch.random.fork_rng(devices=[acc.device] if acc.device.type == "cuda" else []):
+        # whole_model_init: the models it builds are this process's alone; ZeRO-3's zero.Init would partition them
+        # with collectives that the other processes, waiting for the plan, never join.
+        with torch.random.fork_rng(devices=[acc.device] if acc.device.type == "cuda" else []), whole_model_init():
             return plan_recipe(
                 recipe,
                 config,

@@ -144,6 +144,25 @@ def after_run(recipe):
 """
 
 
+# Rewards that differ within a group whatever the (random) model says: shorter completions earn more.
+GRPO_REWARDS = "def shorter(prompt, completion, **fields):\n    return -len(completion) / 10\n"
+
+
+def write_grpo_recipe(folder: Path, model_dir: Path) -> Path:
+    """GRPO on the saved tiny Llama: 2 prompts x 4 completions a step, 2 processes x micro-batch 2 x accumulation 1
+    (one process: accumulation 2); each process samples the whole group of its own prompt."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "grpo_test_rewards.py").write_text(GRPO_REWARDS)
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"tell me a story {i}"}) + "\n" for i in range(16)))
+    recipe = yaml.safe_load(write_recipe(folder, model_dir, prompts, "none").read_text())
+    recipe["data"] = {"train": [{"path": str(prompts), "format": "prompt"}], "max_length": 16}
+    recipe["training"] |= {"objective": "grpo", "gradient_checkpointing": True, "micro_batch_size": 2}
+    recipe["grpo"] = {"num_generations": 4, "max_new_tokens": 6, "rewards": [{"function": "grpo_test_rewards:shorter"}]}
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return folder / "recipe.yaml"
+
+
 @dataclass
 class Launch:
     runs: dict[str, Path]  # run name -> its folder
@@ -162,18 +181,21 @@ def launch_engine(folder: Path, engine: str, model_dir: Path, config_only: Path,
     if engine == "fsdp2":
         runs["bf16"] = (runs["none"][0], ["training.precision=bf16"])
     if engine == "zero3":
+        runs["auto"] = (runs["none"][0], ["training.micro_batch_size=auto"])
         runs["random_init"] = (
             write_recipe(folder / "init", config_only, data, "none", engine),
             ["model.random_init=true"],
         )
     if engine == "ddp":
         runs["lora-bf16"] = (runs["lora"][0], ["training.precision=bf16", "training.max_steps=6"])
+    runs["grpo"] = (write_grpo_recipe(folder / "grpo-recipe", model_dir), [])
     entry = folder / "entry.py"
     entry.write_text((RECORD_GATHERED if engine == "fsdp2" else "") + RUNS)
     (first, (recipe, extra)), *rest = runs.items()
     more = [arg for name, (r, e) in rest for arg in then(r, folder / name, *e)]
     cmd = launch(recipe, folder / first, engine, *extra, *more, script=entry)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder / "grpo-recipe"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return Launch({name: folder / name for name in runs}, proc.stdout + proc.stderr)
 
@@ -224,6 +246,26 @@ def test_deepspeed_on_a_cpu_compiles_nothing(engine, launched):
     assert "shm_comm" not in launched(engine).output
 
 
+@pytest.mark.parametrize(
+    "engine",
+    ["ddp", "fsdp2", pytest.param("zero2", marks=needs_deepspeed), pytest.param("zero3", marks=needs_deepspeed)],
+)
+def test_grpo_on_two_processes_equals_one(engine, launched, tmp_path, monkeypatch):
+    """Each process samples its own prompts' groups (under FSDP2 and ZeRO-3 with the weights gathered, in lockstep),
+    rewards are gathered to normalise and report them: the same completions, rewards and losses as one process."""
+    run = launched(engine).runs["grpo"]
+    monkeypatch.syspath_prepend(str(run.parent / "grpo-recipe"))
+    train(load_recipe(run / "recipe.yaml", [f"output_dir={tmp_path / 'one'}"]))
+    assert_same_losses(run, tmp_path / "one")
+    got, want = (
+        [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if '"reward"' in line]
+        for folder in (run, tmp_path / "one")
+    )
+    assert [m["reward"] for m in got] == pytest.approx([m["reward"] for m in want], abs=1e-6)
+    assert [m["completion_length"] for m in got] == [m["completion_length"] for m in want]
+    assert len({m["reward"] for m in want}) > 1, "the completions changed as the policy trained"
+
+
 def test_fsdp2_saves_lora_adapters_without_gathering_the_frozen_base(launched):
     """final/ of a LoRA run under FSDP2 holds the adapters: only they are gathered (a 70B base gathered whole to
     save them took ~140 GB of host RAM). test_two_processes_equal_one checks the saved adapters' values."""
@@ -241,6 +283,15 @@ def test_zero3_starts_a_random_init_from_the_seeds_weights(launched, tmp_path):
     run = launched("zero3").runs["random_init"]
     train(load_recipe(run / "recipe.yaml", [f"output_dir={tmp_path / 'one'}"]))
     assert_same_losses(run, tmp_path / "one")
+
+
+@needs_deepspeed
+def test_zero3_plans_an_auto_micro_batch(launched):
+    """The main process plans alone (the others wait for its plan): the models it builds to time and trace the step
+    must not go through ZeRO-3's zero.Init, whose partitioning collectives the others never join (gloo aborted on a
+    size mismatch)."""
+    summary = json.loads((launched("zero3").runs["auto"] / "run_summary.json").read_text())
+    assert summary["engine"] == "zero3" and summary["memory_plan"]["source"] == "planner"
 
 
 def test_fsdp2_bf16_through_its_mixed_precision_policy(reference, launched, tmp_path):

@@ -12,7 +12,8 @@ The modules, in the order data flows through them:
   cannot run here); `extrapolate`, `cache`: deep models from short traces, cached and run in parallel;
 - `estimate`: the `MemoryEstimate` of a step; `measure`: the measured peak of a real one;
 - `plan`: the `BatchPlan`; `search`: the planner; `budget`: the budget; `from_recipe`: a recipe's settings, rates and
-  plan; `report`: the plan as text. The time model is `llmtune.timing`.
+  plan; `generation`: grpo's generation phase (its peak, the rows a generate call takes); `report`: the plan as
+  text. The time model is `llmtune.timing`.
 """
 
 from llmtune.memory.budget import default_budget, planning_target, resolve_budget
@@ -23,7 +24,9 @@ from llmtune.memory.from_recipe import (
     plan_for_budget,
     plan_rates,
     recipe_for_model,
+    training_rows,
 )
+from llmtune.memory.generation import GenerationEstimate, generation_peak
 from llmtune.memory.measure import PeakMemoryTracker
 from llmtune.memory.plan import BatchPlan, MemoryPlanError
 from llmtune.memory.report import format_frontier, format_plan
@@ -32,6 +35,7 @@ from llmtune.units import format_bytes, parse_bytes
 
 __all__ = [
     "BatchPlan",
+    "GenerationEstimate",
     "LoraSpec",
     "MemoryEstimate",
     "MemoryPlanError",
@@ -45,6 +49,7 @@ __all__ = [
     "format_bytes",
     "format_frontier",
     "format_plan",
+    "generation_peak",
     "parse_bytes",
     "plan_for_budget",
     "plan_micro_batch",
@@ -52,4 +57,5 @@ __all__ = [
     "planning_target",
     "recipe_for_model",
     "resolve_budget",
+    "training_rows",
 ]

@@ -4,11 +4,18 @@ for the device, and the plan within a budget."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from llmtune import timing
+from llmtune.memory.generation import (
+    GenerationEstimate,
+    generation_peak,
+    generation_resident,
+    plan_generation_rows,
+)
 from llmtune.memory.plan import BatchPlan
 from llmtune.memory.search import plan_micro_batch
 from llmtune.memory.settings import LoraSpec
@@ -29,7 +36,8 @@ def estimate_settings(
     """The estimator's keyword arguments for `recipe` run on `device` as the training loop would run it.
 
     `trained_fraction` is the data's `DataStats.max_trained_fraction` where the data is at hand (training);
-    without it (`llmtune estimate`) every token is taken as trained, the upper bound.
+    without it (`llmtune estimate`) every token is taken as trained, the upper bound. The rows' length, layout and
+    trained share are `training_rows`' (grpo's: prompt + completion rows).
 
     `precision` is the resolved mode; left out, the recipe's `auto` is taken as bf16 on CUDA (every GPU
     worth planning for has it) and as the local CPU's choice otherwise.
@@ -48,9 +56,10 @@ def estimate_settings(
             rank=peft.rank, target_modules=target, dropout=peft.dropout > 0, alpha=int(peft.alpha), method=peft.method
         )
     optimizer = optimizer_choice(t.optimizer, precision, peft.method)
+    rows = training_rows(recipe, trained_fraction)
     return dict(
         precision=precision,
-        layout="packed" if recipe.data.packing else "padded",
+        layout=rows.layout,
         gradient_checkpointing=checkpointing_of(t.gradient_checkpointing) or "auto",
         attn_implementation=recipe.model.attn_implementation,
         optimizer=optimizer,
@@ -58,11 +67,35 @@ def estimate_settings(
         lora=lora,
         sharding=sharding,
         device=device,
-        trained_fraction=max(trained_fraction, 1 / recipe.data.max_length),
+        trained_fraction=rows.trained_fraction,
         expandable_segments=expandable_segments(recipe),
         objective=t.objective,
         reference=_reference(recipe),
     )
+
+
+@dataclass(frozen=True)
+class TrainingRows:
+    """The rows a recipe's training step takes, as the planner plans them: the longest, their layout, and the most
+    of a row's tokens that carry the loss."""
+
+    seq_len: int
+    layout: str  # packed | padded
+    trained_fraction: float
+
+
+def training_rows(recipe: Recipe, trained_fraction: float = 1.0) -> TrainingRows:
+    """grpo trains a prompt (at most data.max_length tokens) and its completion (at most grpo.max_new_tokens) a row,
+    right-padded, never packed (`llmtune.data.prepare.packs`), with only the completion trained: at most
+    max_new_tokens of the row's tokens whatever `trained_fraction` says (the prompts' data trains no token: its
+    fraction is 0 and bounds nothing the policy samples). Else data.max_length tokens, packed as data.packing says,
+    `trained_fraction` of them trained (at least one token)."""
+    d = recipe.data
+    if recipe.training.objective == "grpo":
+        length = d.max_length + recipe.grpo.max_new_tokens
+        return TrainingRows(length, "padded", recipe.grpo.max_new_tokens / length)
+    # Prompt sources (the only ones `packs` refuses to pack) belong to grpo: recipe checks say so.
+    return TrainingRows(d.max_length, "packed" if d.packing else "padded", max(trained_fraction, 1 / d.max_length))
 
 
 def expandable_segments(recipe: Recipe) -> bool:
@@ -77,6 +110,8 @@ def expandable_segments(recipe: Recipe) -> bool:
 def _reference(recipe: Recipe) -> str:
     if recipe.training.objective == "sft":
         return "none"
+    if recipe.training.objective == "grpo":  # as llmtune.objectives.grpo.GRPO chooses it
+        return "none" if recipe.grpo.beta == 0 else ("adapter_disabled" if recipe.peft.method != "none" else "copy")
     # Only here: llmtune.preference brings in the data pipeline (datasets, pyarrow: ~1 s of imports).
     from llmtune.preference import resolve_reference
 
@@ -105,20 +140,50 @@ def plan_for_budget(
     num_processes: int,
     rates: Rates | None = None,
 ) -> BatchPlan:
-    """The fastest micro-batch and checkpointing for the recipe's global batch and max_length within
+    """The fastest micro-batch and checkpointing for the recipe's global batch and rows (`training_rows`) within
     `budget_bytes`, as far as the recipe leaves them open; a fixed `training.micro_batch_size` is planned as given
-    (whether it fits or not: `BatchPlan.fits`)."""
+    (whether it fits or not: `BatchPlan.fits`). grpo: then the rows of each generate call (`with_generation`)."""
     t = recipe.training
-    return plan_micro_batch(
+    plan = plan_micro_batch(
         config,
         global_batch_size=t.global_batch_size,
         num_processes=num_processes,
         budget_bytes=budget_bytes,
-        seq_len=recipe.data.max_length,
+        seq_len=training_rows(recipe).seq_len,
         micro_batch_size=None if t.micro_batch_size == "auto" else t.micro_batch_size,
         rates=rates,
         **settings,
     )
+    return with_generation(plan, recipe, config, budget_bytes) if t.objective == "grpo" else plan
+
+
+def with_generation(plan: BatchPlan, recipe: Recipe, config: Any, budget_bytes: int | None) -> BatchPlan:
+    """`plan` with grpo's generation rows: the most completions of this process's (whole groups) one `generate`
+    call can sample within `budget_bytes` beside what training keeps between steps (`generation_resident` of the
+    plan's estimate); every prompt taken at data.max_length tokens, the longest. The generation phase comes after
+    the training step's choice: sampling fewer rows a call costs calls, never the step's micro-batch."""
+    g, s = recipe.grpo, plan.estimate.settings
+    resident = generation_resident(plan.estimate)
+
+    def peak_of(rows: int) -> GenerationEstimate:
+        return generation_peak(
+            config,
+            rows=rows,
+            prompt_tokens=recipe.data.max_length,
+            max_new_tokens=g.max_new_tokens,
+            resident_bytes=resident,
+            precision=s["precision"],
+            sharding=s["sharding"],
+            top_p=g.top_p,
+            attn_implementation=s["attn_implementation"],
+            lora=s["lora"]["method"] if s["lora"] else None,
+        )
+
+    per_process = recipe.training.global_batch_size // plan.num_processes
+    rows, estimate = plan_generation_rows(
+        peak_of, group=g.num_generations, per_process=per_process, budget_bytes=budget_bytes
+    )
+    return replace(plan, generation_rows=rows, generation=estimate)
 
 
 def recipe_for_model(

@@ -7,6 +7,7 @@ from typing import Any
 
 from llmtune.errors import UserError
 from llmtune.memory.estimate import MemoryEstimate
+from llmtune.memory.generation import GenerationEstimate
 from llmtune.recipe import Checkpointing
 from llmtune.units import format_bytes
 
@@ -35,25 +36,33 @@ class BatchPlan:
     predicted_tokens_per_s: float | None = None  # the time model's (llmtune.timing), for this process
     rates_source: str | None = None
     frontier: list[dict[str, Any]] = field(default_factory=list)  # what the planner weighed (Candidate.to_dict)
+    generation_rows: int = 0  # grpo: rows per generate call (0: not planned, all of a process's rows in one)
     estimate: MemoryEstimate | None = field(default=None, repr=False, compare=False)
+    # grpo: the predicted peak of a generate call of `generation_rows` rows (llmtune.memory.generation)
+    generation: GenerationEstimate | None = field(default=None, repr=False, compare=False)
 
     @property
     def fits(self) -> bool:
-        """False only when an estimate says the peak is over the budget."""
-        return self.predicted_peak_bytes is None or self.predicted_peak_bytes <= self.budget_bytes
+        """False only when an estimate says a peak (the training step's, or grpo's generation) is over the budget."""
+        step = self.predicted_peak_bytes is None or self.predicted_peak_bytes <= self.budget_bytes
+        return step and (self.generation is None or self.generation.peak_bytes <= self.budget_bytes)
 
     def describe(self) -> str:
         if self.predicted_peak_bytes is None:
             return "micro-batch fixed by the recipe (set training.micro_batch_size: auto to plan it)"
-        return f"predicted peak {format_bytes(self.predicted_peak_bytes)} of a {format_bytes(self.budget_bytes)} budget"
+        text = f"predicted peak {format_bytes(self.predicted_peak_bytes)} of a {format_bytes(self.budget_bytes)} budget"
+        if self.generation is not None:
+            text += f"; generation {self.generation_rows} rows a call, {format_bytes(self.generation.peak_bytes)}"
+        return text
 
     def state(self) -> dict[str, Any]:
-        """The plan without its estimate: what a checkpoint keeps and `from_state` reads back."""
-        state = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "estimate"}
+        """The plan without its estimates: what a checkpoint keeps and `from_state` reads back."""
+        state = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("estimate", "generation")}
         return state | {"checkpointing": asdict(self.checkpointing)}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> BatchPlan:
+        """A state from `state`; fields added since a checkpoint was saved take their defaults (generation_rows 0)."""
         return cls(**state | {"checkpointing": Checkpointing(**state.get("checkpointing") or {"every_n_layers": 0})})
 
     def to_dict(self) -> dict[str, Any]:
@@ -71,4 +80,6 @@ class BatchPlan:
                 "breakdown": self.estimate.breakdown,
                 "estimate": self.estimate.to_dict(),
             }
+        if self.generation is not None:
+            out["generation"] = self.generation.to_dict()
         return out

@@ -26,7 +26,7 @@ def format_plan(plan: BatchPlan, title: str) -> str:
         f" {s['num_processes']} process(es), sharding {s['sharding']}",
         f"{s['precision']}, checkpointing {plan.checkpointing.describe(e.settings['layers'])},"
         f" {s['attn_implementation']} attention, {s['optimizer']}, {s['loss']} loss"
-        + (f", {s['objective']} on pairs (reference: {s['reference']})" if s.get("objective", "sft") != "sft" else "")
+        + _objective(s)
         + (f", {_METHOD_NAMES[s['lora']['method']]} r={s['lora']['rank']}" if s.get("lora") else ""),
         f"predicted peak {format_bytes(plan.predicted_peak_bytes)} of a {format_bytes(plan.budget_bytes)} budget"
         + ("" if plan.fits else ": DOES NOT FIT")
@@ -38,9 +38,38 @@ def format_plan(plan: BatchPlan, title: str) -> str:
             else " (live tensors only: Python objects and the data pipeline are outside it)"
         ),
     ]
+    if plan.generation is not None:
+        lines += ["", *format_generation(plan)]
     if len(plan.frontier) > 1:
         lines += ["", *format_frontier(plan)]
     return "\n".join(lines)
+
+
+def _objective(s: dict[str, Any]) -> str:
+    objective = s.get("objective", "sft")
+    if objective == "sft":
+        return ""
+    rows = "prompt + completion rows" if objective == "grpo" else "pairs"
+    return f", {objective} on {rows} (reference: {s['reference']})"
+
+
+def format_generation(plan: BatchPlan) -> list[str]:
+    """grpo's generation phase beside the training step above it: the rows of each generate call, its predicted
+    peak and what is live at it."""
+    g = plan.generation
+    width = max(len(k) for k in g.breakdown) + 2
+    lines = [
+        f"generation (grpo): {plan.generation_rows} rows a generate call, prompts of up to {g.prompt_tokens} tokens"
+        f" + {g.max_new_tokens} new",
+        f"{'at its peak':<{width}}{'bytes':>12}  share",
+    ]
+    for name, value in g.breakdown.items():
+        lines.append(f"{name:<{width}}{format_bytes(value):>12}  {value / max(1, g.peak_bytes):6.1%}")
+    lines.append(
+        f"{'peak':<{width}}{format_bytes(g.peak_bytes):>12}  during {g.peak_phase}, of a"
+        f" {format_bytes(plan.budget_bytes)} budget" + ("" if g.peak_bytes <= plan.budget_bytes else ": DOES NOT FIT")
+    )
+    return lines
 
 
 def format_frontier(plan: BatchPlan) -> list[str]:

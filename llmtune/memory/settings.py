@@ -13,7 +13,7 @@ PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
 OPTIMIZERS = ("adamw", "adamw_fused", "adamw_bf16", "adamw_8bit")
 LOSSES = ("hf", "chunked")
 LAYOUTS = ("packed", "padded")
-OBJECTIVES = ("sft", "dpo", "orpo", "simpo")
+OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "grpo")
 REFERENCES = ("none", "adapter_disabled", "copy", "precomputed")
 SHARDINGS = ("none", "fsdp", "zero2", "zero3")
 DEVICES = ("cuda", "cpu")
@@ -67,8 +67,9 @@ def settings_of(
     DDP with its gradient buckets unless `ddp_bucket_view` (gradient_as_bucket_view=True).
     `gradient_checkpointing`: a `Checkpointing` (every k-th layer, selective), or a bool for every layer / none.
     `chunk_size`: the chunked loss's rows per chunk, by default `llmtune.loss.default_chunk_size` of the vocabulary.
-    `objective` other than "sft" traces `llmtune.preference.PreferenceModel` on pairs (`micro_batch_size`
-    examples, each a pair), with its `reference` forward (adapter_disabled, a frozen copy) or none.
+    `objective` dpo / orpo / simpo traces `llmtune.preference.PreferenceModel` on pairs (`micro_batch_size`
+    examples, each a pair), grpo `llmtune.grpo.GRPOModel` on `micro_batch_size` completions (prompt + completion
+    rows, padded), each with its `reference` forward (adapter_disabled, a frozen copy) or none.
     """
     s = Settings(
         checkpointing=checkpointing_of(gradient_checkpointing),
@@ -85,6 +86,8 @@ def _validate(s: Settings) -> None:
         raise ValueError("micro_batch_size must be >= 1 and seq_len >= 2")
     if not 0 < s.trained_fraction <= 1:
         raise ValueError(f"trained_fraction={s.trained_fraction}; expected 0 < f <= 1")
+    if s.objective == "grpo" and s.layout != "padded":
+        raise ValueError("objective grpo trains its completions in padded rows (one prompt + completion a row)")
     if s.checkpointing.offload and not s.checkpointing.enabled:
         raise ValueError("checkpointing.offload moves the inputs that checkpointing saves: it needs checkpointing")
     if s.checkpointing.offload and s.device != "cuda":

@@ -83,7 +83,10 @@ def _batch(s: Settings) -> dict[str, torch.Tensor]:
 
     Preference pairs as `llmtune.preference.collate_pairs` makes them: packed, `micro_batch_size` rows of
     `seq_len` tokens holding whole pairs (counted as one pair a row: only [pairs, 2] tensors depend on it);
-    padded, a row per sequence, chosen and rejected, each `seq_len // 2` long (a pair fills `max_length`)."""
+    padded, a row per sequence, chosen and rejected, each `seq_len // 2` long (a pair fills `max_length`).
+    GRPO completions as `llmtune.grpo.collate_completions` makes them (`_completions`)."""
+    if s.objective == "grpo":
+        return _completions(s)
     rows, width = s.micro_batch_size, s.seq_len
     pairs = s.objective != "sft"
     if pairs and s.layout == "padded":
@@ -104,15 +107,36 @@ def _batch(s: Settings) -> dict[str, torch.Tensor]:
     return ids | {"attention_mask": torch.ones((rows, width), dtype=torch.long)}
 
 
+def _completions(s: Settings) -> dict[str, torch.Tensor]:
+    """`micro_batch_size` prompt + completion rows padded to `seq_len` (the planner's data.max_length +
+    grpo.max_new_tokens), with an advantage each. Old log-probs (num_iterations > 1: 4 bytes a trained token) are
+    left out: beside the logits they are noise."""
+    shape = (s.micro_batch_size, s.seq_len)
+    return {
+        "input_ids": torch.zeros(shape, dtype=torch.long),
+        "labels": torch.zeros(shape, dtype=torch.long),
+        "attention_mask": torch.ones(shape, dtype=torch.long),
+        "advantages": torch.zeros(s.micro_batch_size, dtype=torch.float32),
+    }
+
+
 def _step_module(config: Any, model: torch.nn.Module, s: Settings) -> torch.nn.Module:
     """What the loop trains (the objective's `module`, llmtune.objectives): SFT's loss module or preference's,
     with a frozen copy for `reference="copy"` (its weights count as `reference_weights`)."""
     if s.objective == "sft":
         return CausalLMWithLoss(model, s.loss, s.chunk_size)
-    from llmtune.preference import PreferenceModel
-    from llmtune.recipe import PreferenceConfig
-
     frozen = None
     if s.reference == "copy":
         frozen = _build_model(config, replace(s, lora=None)).requires_grad_(False).eval()
+    if s.objective == "grpo":
+        from llmtune.grpo import GRPOModel
+        from llmtune.recipe import GRPOConfig
+
+        # beta only decides whether the reference runs (`reference` says so); the clip and the averaging of the loss
+        # keep nothing the size of the batch beyond per-token vectors.
+        cfg = GRPOConfig(beta=0.0 if s.reference == "none" else 0.04)
+        return GRPOModel(model, s.loss, cfg, s.reference, frozen)
+    from llmtune.preference import PreferenceModel
+    from llmtune.recipe import PreferenceConfig
+
     return PreferenceModel(model, s.loss, s.objective, PreferenceConfig(), s.reference, frozen, s.chunk_size)

@@ -169,6 +169,12 @@ def _segment_hooks(
     def on_hidden_grad(_g: torch.Tensor) -> None:
         counter.tag = "backward_temporaries"
 
+    def decoder_pre(_module: torch.nn.Module, _args: tuple) -> None:
+        # A module that runs the decoder twice (a reference forward first: dpo, grpo) keeps the policy's activations
+        # as activations, not under the tag the reference's head left.
+        if counter.phase == "forward":
+            counter.tag = "activations"
+
     def decoder_post(_module: torch.nn.Module, _args: tuple, out: Any) -> None:
         # From the decoder's last hidden state on: the head and the loss.
         counter.tag = "logits_and_loss"
@@ -191,7 +197,10 @@ def _segment_hooks(
         return [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
 
     handles = [p.register_post_accumulate_grad_hook(on_grad) for p in trainable]
-    handles.append(decoder_of(model).register_forward_hook(decoder_post))
+    handles += [
+        decoder_of(model).register_forward_pre_hook(decoder_pre),
+        decoder_of(model).register_forward_hook(decoder_post),
+    ]
     for i, layer in enumerate(layers):
         handles += layer_hooks(i, layer)
     return handles
