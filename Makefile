@@ -4,7 +4,7 @@ VENV_OK := .venv/.installed
 # The CPU build of torch, so a machine without a GPU does not download a multi-GB CUDA build.
 CPU_TORCH := torch==2.13.0
 
-.PHONY: install train train-preference train-dpo test test-fast test-floor lint format docs clean gpu-wheels gpu-check
+.PHONY: install train train-preference train-dpo train-grpo test test-fast test-floor lint format docs clean gpu-wheels gpu-check
 
 install: $(VENV_OK)
 
@@ -44,6 +44,16 @@ train-dpo: install
 	$(PY) scripts/finetune.py --recipe recipes/quickstart-dpo.yaml $(ARGS)
 	$(PY) scripts/eval_accuracy.py --model runs/quickstart/final --data assets/quickstart/eval.jsonl
 	$(PY) scripts/eval_accuracy.py --model runs/quickstart-dpo/final --data assets/quickstart/eval.jsonl
+
+# GRPO on top of the quickstart (recipes/quickstart-grpo.yaml): the SFT model's own answers, rewarded by the exact
+# answer; the SFT model is trained first when missing; both are scored, with 1000 fresh addition questions too.
+EVAL_GRPO := --data assets/quickstart/eval.jsonl --fresh-addition 1000 --exclude assets/quickstart/train.jsonl
+train-grpo: install
+	test -f runs/quickstart/final/config.json || $(MAKE) train
+	rm -rf runs/quickstart-grpo
+	$(PY) scripts/finetune.py --recipe recipes/quickstart-grpo.yaml $(ARGS)
+	$(PY) scripts/eval_accuracy.py --model runs/quickstart/final $(EVAL_GRPO)
+	$(PY) scripts/eval_accuracy.py --model runs/quickstart-grpo/final $(EVAL_GRPO)
 
 test: install
 	$(PY) -m pytest -q $(ARGS)

@@ -103,7 +103,7 @@ FULL = Size(
     max_length=1024, micro=4, planner_global=16, vocab=32000,
     boxes={"env": 30, "fp16": 40, "bf16_true": 40, "resume": 50, "memory": 300, "planner": 75, "planner_v2": 90,
            "throughput": 90, "fsdp2": 70, "deepspeed_zero3": 70, "gpu_tests": 60, "dpo_reference": 40, "fsdp2_dpo": 70,
-           "generate_chat": 30, "qlora": 40},
+           "generate_chat": 30, "qlora": 40, "grpo": 60},
 )  # fmt: skip
 TINY = Size(
     # Boxes only bound a stuck CI run (a verdict must not depend on the host's speed): a 2-core machine ran this in
@@ -762,6 +762,45 @@ def section_generate_chat(ctx: Ctx, out: dict) -> None:
     out["ok"] = generated == chatted == 0 and out["model_device"].startswith(ctx.device.type)
 
 
+def shorter(prompt: Any, completion: str, **fields: Any) -> float:
+    """section_grpo's reward: it differs within every group, whatever a random model says."""
+    return -len(completion) / 10
+
+
+def section_grpo(ctx: Ctx, out: dict) -> None:
+    """GRPO of the saved SMOKE model, both phases planned (`auto`): the plan's predicted peaks of the training step
+    and of one generate call against the measured ones (the generation peak of the second batch, when the
+    optimizer's states exist)."""
+    from llmtune.train import fit
+
+    prompts = ctx.tmp / "prompts.jsonl"
+    rows = [json.loads(line) for line in ctx.data["pairs"].read_text().splitlines()]
+    prompts.write_text("".join(json.dumps({"prompt": r["prompt"][:40]}) + "\n" for r in rows))
+    recipe = ctx.recipe(
+        SMOKE, objective="grpo", model__name_or_path=str(ctx.saved_model()), model__random_init=False,
+        micro_batch_size="auto", gradient_checkpointing="auto", global_batch_size=16, max_steps=3,
+        data__train=[{"path": str(prompts), "format": "prompt"}], data__max_length=16,
+        grpo__num_generations=4, grpo__max_new_tokens=8 if ctx.tiny else 64,
+        grpo__rewards=[{"function": "benchmarks.gpu_check:shorter"}],
+    )  # fmt: skip
+    run = build_run(recipe, ctx.tmp)
+    summary = fit(run)
+    steps = [json.loads(line) for line in (Path(run.recipe.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    plan = summary["memory_plan"]
+    measured = steps[1].get("generation_peak_bytes")
+    out.update(
+        steps=summary["steps"], rewards=[s.get("reward") for s in steps if "reward" in s],
+        generation_rows=plan.get("generation_rows"), predicted_generation_bytes=(plan.get("generation") or {}).get(
+            "peak_bytes"), measured_generation_bytes=measured, predicted_step_bytes=plan.get("predicted_peak_bytes"),
+        measured_step_bytes=summary.get("peak_memory_bytes"),
+    )  # fmt: skip
+    if measured and out["predicted_generation_bytes"]:
+        out["generation_ratio"] = out["predicted_generation_bytes"] / measured
+    out["ok"] = summary["steps"] == 3 and measured is not None
+    del run
+    release()
+
+
 def section_qlora(ctx: Ctx, out: dict) -> None:
     """QLoRA (a 4-bit base through bitsandbytes) trains from a model loaded from disk."""
     from llmtune.train import fit
@@ -798,6 +837,7 @@ SECTIONS: dict[str, tuple[Callable[[Ctx, dict], None], Callable[[Ctx], str | Non
     "fsdp2_dpo": (section_fsdp2_dpo, no_cuda(" (Accelerate runs FSDP on GPUs only)")),
     "generate_chat": (section_generate_chat, lambda ctx: None),
     "qlora": (section_qlora, no_cuda_or_missing("bitsandbytes")),
+    "grpo": (section_grpo, lambda ctx: None),
     "planner": (section_planner, lambda ctx: None),
     "planner_v2": (section_planner_v2, lambda ctx: None),
     "throughput": (section_throughput, lambda ctx: None),

@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_SECTIONS = (
-    "env", "bf16_true", "resume", "dpo_reference", "generate_chat", "planner", "planner_v2", "throughput", "memory"
+    "env", "bf16_true", "resume", "dpo_reference", "generate_chat", "grpo", "planner", "planner_v2", "throughput",
+    "memory",
 )  # fmt: skip
 CUDA_SECTIONS = ("fp16", "gpu_tests", "fsdp2", "deepspeed_zero3", "fsdp2_dpo", "qlora")
 
@@ -52,3 +53,5 @@ def test_gpu_check_tiny_runs_every_section_and_writes_its_results(tmp_path):
     chat = sections["generate_chat"]
     assert chat["ok"] and chat["model_device"] == "cpu" and len(chat["chat"]["transcript"].splitlines()) == 3, chat
     assert "| dpo_reference | done ok |" in report and "| generate_chat | done ok |" in report
+    grpo = sections["grpo"]
+    assert grpo["ok"] and grpo["generation_rows"] and grpo["predicted_generation_bytes"], grpo

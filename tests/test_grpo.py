@@ -255,7 +255,10 @@ def write_prompts(path, n: int = 32):
     return path
 
 
-REWARDS = "def length(prompt, completion, **fields):\n    return -len(completion) / 10\n"
+REWARDS = (
+    "def length(prompt, completion, **fields):\n    return -len(completion) / 10\n"
+    "def needs_solution(prompt, completion, solution, **fields):\n    return 1.0\n"
+)
 
 
 @pytest.fixture
@@ -334,6 +337,18 @@ def test_a_reward_that_never_varies_is_warned_about(grpo_recipe, caplog):
         train(recipe)
     assert any("grpo_rewards:same gave every completion of the first 5 batches the same value" in r.message
                for r in caplog.records)  # fmt: skip
+
+
+def test_a_reward_that_fails_mid_run_stops_it_naming_the_function_and_the_prompt(grpo_recipe, tmp_path):
+    """The prompts have no `solution` column: the first batch's rewards stop the run with a user error (exit 2 from
+    the CLI), before any update."""
+    fails = [{"function": "grpo_rewards:needs_solution"}]
+    recipe = grpo_recipe(grpo={"num_generations": 4, "max_new_tokens": 3, "rewards": fails})
+    said = r"reward grpo_rewards:needs_solution on the completion .* of prompt 'tell me a story \d+ the fox' \(step 1\)"
+    with pytest.raises(grpo.RewardError, match=said + r": raised TypeError: .*solution") as err:
+        train(recipe)
+    assert err.value.exit_code == 2
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_grpo_recipes_are_checked_before_anything_loads(grpo_recipe):
