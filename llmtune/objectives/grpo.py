@@ -20,9 +20,9 @@ from llmtune.data import IGNORE
 from llmtune.generate import pad_id, stop_ids, until_stop
 from llmtune.memory import PeakMemoryTracker
 from llmtune.model import SetupError
-from llmtune.units import format_bytes
 from llmtune.objectives.base import frozen_copy
 from llmtune.recipe import GRPOConfig
+from llmtune.units import format_bytes
 
 if TYPE_CHECKING:
     from llmtune.data import PreparedData
