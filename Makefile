@@ -56,7 +56,7 @@ train-grpo: install
 	$(PY) scripts/eval_accuracy.py --model runs/quickstart-grpo/final $(EVAL_GRPO)
 
 test: install
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=25 $(ARGS)  # the slowest tests, for CI's time
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not multiprocess" $(ARGS)

@@ -322,7 +322,7 @@ def test_a_run_trained_on_alpaca_rows_is_prompted_in_the_alpaca_layout(tiny_reci
     (final / "generation_config.json").write_text(json.dumps(config))
     rows = [{"prompt": PROMPT, "completion": tokenizer.decode(answer)}]
     got = eval_accuracy(monkeypatch, capsys, final, rows, tmp_path / "eval.jsonl")
-    assert got == "exact-match accuracy on 1 eval rows: 100.0%"
+    assert got == "exact-match accuracy on 1 eval rows: 100.0% +/- 0.0%"
 
 
 @pytest.mark.parametrize("eos", [[2, 5], 2])
@@ -334,4 +334,4 @@ def test_eval_prompts_an_instruct_model_with_its_chat_template_and_stops_at_each
     folder = write_parrot(tmp_path / "parrot", eos)
     rows = [{"prompt": PROMPT, "completion": WORD}, {"prompt": "hello", "completion": f" {WORD} "}]
     got = eval_accuracy(monkeypatch, capsys, folder, rows, tmp_path / "eval.jsonl")
-    assert got == "exact-match accuracy on 2 eval rows: 100.0%"
+    assert got == "exact-match accuracy on 2 eval rows: 100.0% +/- 0.0%"

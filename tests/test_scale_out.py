@@ -250,20 +250,31 @@ def test_deepspeed_on_a_cpu_compiles_nothing(engine, launched):
     "engine",
     ["ddp", "fsdp2", pytest.param("zero2", marks=needs_deepspeed), pytest.param("zero3", marks=needs_deepspeed)],
 )
-def test_grpo_on_two_processes_equals_one(engine, launched, tmp_path, monkeypatch):
+def test_grpo_on_two_processes_equals_one(engine, launched, grpo_reference):
     """Each process samples its own prompts' groups (under FSDP2 and ZeRO-3 with the weights gathered, in lockstep),
     rewards are gathered to normalise and report them: the same completions, rewards and losses as one process."""
     run = launched(engine).runs["grpo"]
-    monkeypatch.syspath_prepend(str(run.parent / "grpo-recipe"))
-    train(load_recipe(run / "recipe.yaml", [f"output_dir={tmp_path / 'one'}"]))
-    assert_same_losses(run, tmp_path / "one")
+    assert_same_losses(run, grpo_reference)
     got, want = (
         [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if '"reward"' in line]
-        for folder in (run, tmp_path / "one")
+        for folder in (run, grpo_reference)
     )
     assert [m["reward"] for m in got] == pytest.approx([m["reward"] for m in want], abs=1e-6)
     assert [m["completion_length"] for m in got] == [m["completion_length"] for m in want]
     assert len({m["reward"] for m in want}) > 1, "the completions changed as the policy trained"
+
+
+@pytest.fixture(scope="module")
+def grpo_reference(tmp_path_factory, model_dir) -> Path:
+    """The grpo run of the launches, on one process, in this process (its reward module imported from its folder)."""
+    folder = tmp_path_factory.mktemp("grpo-one")
+    recipe = write_grpo_recipe(folder / "grpo-recipe", model_dir)
+    sys.path.insert(0, str(folder / "grpo-recipe"))
+    try:
+        train(load_recipe(recipe, [f"output_dir={folder / 'run'}"]))
+    finally:
+        sys.path.remove(str(folder / "grpo-recipe"))
+    return folder / "run"
 
 
 def test_fsdp2_saves_lora_adapters_without_gathering_the_frozen_base(launched):

@@ -31,9 +31,10 @@ Over-stated on purpose: under autocast the cast cache is taken whole from the st
 the last layer's down projection and the head are cast); every prompt is taken at data.max_length tokens.
 Not modelled: sliding-window layers (their cache stops growing at the window; over-stated here), mixture-of-experts
 MLPs (taken as a dense MLP of `intermediate_size`), the attention kernels' workspaces (flash / memory-efficient:
-small), FSDP2's root weights unsharded for the call (`parallel.generating`), the CUDA allocator's fragmentation by the
-growing cache beyond the training step's overhead (added as it is), and num_iterations > 1's forward of the
-completions for their old log-probs (a no-grad forward of a micro-batch: less than the training step).
+small), FSDP2's root weights, unsharded for the call (sampling runs inside the root's forward), the CUDA
+allocator's fragmentation by the growing cache beyond the training step's overhead (added as it is), and
+num_iterations > 1's forward of the completions for their old log-probs (a no-grad forward of a micro-batch: less
+than the training step).
 """
 
 from __future__ import annotations
@@ -98,7 +99,16 @@ def generation_widths(precision: str, sharding: str = "none") -> Widths:
         return Widths(FP32, FP32, FP32, FP32)
     if precision == "bf16-true" or sharding != "none":
         return Widths(2, 2, 2, 2)
-    return Widths(FP32, 2, FP32, 2, autocast=True)
+    return Widths(FP32, 2 if values_stay_16_bit() else FP32, FP32, 2, autocast=True)
+
+
+def values_stay_16_bit() -> bool:
+    """Whether transformers caches autocast's 16-bit values as they are: 5.25 does; 5.17 (the floor) caches them in
+    fp32 like the keys (measured on a real cache, tests/test_grpo_plan.py, on both)."""
+    from transformers import __version__
+
+    major, minor = (int(part) for part in __version__.split(".")[:2])
+    return (major, minor) >= (5, 25)
 
 
 @dataclass(frozen=True)
