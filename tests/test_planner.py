@@ -108,10 +108,35 @@ def test_forked_traces_that_never_answer_are_run_in_this_process(monkeypatch):
     monkeypatch.setattr(cache, "_FORK_REFUSED", [])
     monkeypatch.setattr(cache, "FORKED_TRACES_TIMEOUT_S", 1.0)
     monkeypatch.setattr(cache, "_trace_job", stuck_forever)  # what the forked workers run
+    monkeypatch.setattr("threading.active_count", lambda: 1)  # other tests' threads (progress bars) would stop it
     clear_traces()
     given_up = estimate_all(cfg, settings, max_traced_layers=1)
     assert cache._FORK_REFUSED == ["no forked trace in 1 s"]
     assert [(e.peak_bytes, e.work) for e in given_up] == [(e.peak_bytes, e.work) for e in alone]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="traces fork only on 2 or more cores")
+def test_a_process_with_other_threads_traces_without_forking(monkeypatch):
+    """A thread alive beside the planner may hold a lock a forked child would inherit held: no fork then (the
+    workers here would wait forever, and the 1 s guard would record it)."""
+    import threading
+
+    from llmtune.memory import cache
+
+    cfg = tiny_config("llama", layers=6)
+    settings = [dict(micro_batch_size=2, gradient_checkpointing=c, **KW) for c in (False, True, Checkpointing(2))]
+    monkeypatch.setattr(cache, "_FORK_REFUSED", [])
+    monkeypatch.setattr(cache, "FORKED_TRACES_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(cache, "_trace_job", stuck_forever)
+    release = threading.Event()
+    other = threading.Thread(target=release.wait, daemon=True)
+    other.start()
+    try:
+        clear_traces()
+        estimates = estimate_all(cfg, settings, max_traced_layers=1)
+    finally:
+        release.set()
+    assert cache._FORK_REFUSED == [] and len(estimates) == 3
 
 
 def test_the_traced_work_counts_recomputation():

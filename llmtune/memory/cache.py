@@ -46,12 +46,18 @@ def prefetch(config: Any, jobs: list[tuple[int, Settings]]) -> None:
     are independent and each is seconds of Python on a deep model (fork: the workers inherit the imports)."""
     import multiprocessing as mp
     import os
+    import threading
 
     period = layer_period(config)
     text = config.to_json_string(use_diff=False)
     missing = list(dict.fromkeys((n, s) for n, s in jobs if (text, n, s, period) not in _TRACES))
     workers = min(len(missing), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
     if workers < 2 or mp.current_process().daemon or "fork" not in mp.get_all_start_methods() or _FORK_REFUSED:
+        return
+    if threading.active_count() > 1:
+        # A child forked while another thread (tqdm's monitor, a watchdog) holds a lock inherits it held and can wait
+        # forever: the traces run here instead (CI's gpu_check, after sections that drew progress bars, took 218 s
+        # where it takes 38 s alone).
         return
     if len(_TRACES) + len(missing) > _MAX_TRACES:
         _TRACES.clear()
