@@ -236,7 +236,7 @@ def test_bench_vs_hf_runs_both_tools_on_the_same_work(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "vs_hf.json"
     args = ["--layers", "1", "--hidden", "128", "--max-length", "128", "--vocab", "2000", "--timed-steps", "1"]
-    args += ["--rounds", "1"]
+    args += ["--rounds", "1", "--peak-repeats", "1"]
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.vs_hf", *args, "--modes", "identical", "defaults", "--output", str(out)],
         capture_output=True,

@@ -3,14 +3,14 @@ its KL reference, a reward that never varies)."""
 
 from __future__ import annotations
 
-import collections
 import json
-import types
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from benchmarks import grpo_vs_trl
+from benchmarks.grpo_vs_trl import compare, with_trl_head
 from llmtune import grpo
 from llmtune.data import IGNORE
 from llmtune.recipe import GRPOConfig, RewardConfig, load_recipe
@@ -43,119 +43,42 @@ def completions_batch(tokenizer, group: int = 4, prompts: int = 2, seed: int = 0
     return rows, torch.tensor(rewards)
 
 
-def trl_layout(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """TRL's inputs: left-padded prompts and right-padded completions, each a tensor of its own."""
-    prompts, completions = [], []
-    for ids, labels, mask in zip(batch["input_ids"], batch["labels"], batch["attention_mask"], strict=True):
-        n = int(mask.sum())
-        start = int((labels[:n] != IGNORE).nonzero()[0])
-        prompts.append(ids[:start])
-        completions.append(ids[start:n])
-    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
-
-    def pad(seqs, width, left):
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            where = slice(width - len(s), width) if left else slice(0, len(s))
-            ids[i, where], mask[i, where] = s, 1
-        return ids, mask
-
-    (prompt_ids, prompt_mask), (completion_ids, completion_mask) = (
-        pad(prompts, width_p, True),
-        pad(completions, width_c, False),
-    )
-    return {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": prompt_mask,
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-    }
-
-
-def to_padded(flat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Flat per-token values (row-major) -> [rows, completion width] at the mask's positions."""
-    out = torch.zeros(mask.shape, dtype=flat.dtype)
-    out[mask.bool()] = flat
-    return out
-
-
-def trl_loss(model, inputs: dict, cfg: GRPOConfig, max_new_tokens: int):
-    """TRL 1.16's GRPOTrainer._compute_loss (and the metrics it logs) on our completions."""
-    from trl.trainer.grpo_trainer import GRPOTrainer
-
-    metrics = collections.defaultdict(lambda: collections.defaultdict(list))
-    accelerator = types.SimpleNamespace(
-        device=torch.device("cpu"), num_processes=1, is_main_process=True,
-        autocast=lambda: torch.autocast("cpu", enabled=False),
-        gather=lambda x: x, gather_for_metrics=lambda x: x, reduce=lambda x, reduction: x,
-    )  # fmt: skip
-    trainer = types.SimpleNamespace(
-        accelerator=accelerator, aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        importance_sampling_level="token", beta=cfg.beta, loss_type=cfg.loss, epsilon_low=cfg.epsilon,
-        epsilon_high=cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high, use_vllm=False,
-        args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None), model=model,
-        current_gradient_accumulation_steps=1, max_completion_length=max_new_tokens, _metrics=metrics,
-        _entropy_bonus_enabled=False,
-    )  # fmt: skip
-    trainer._get_per_token_logps_and_entropies = types.MethodType(
-        GRPOTrainer._get_per_token_logps_and_entropies, trainer
-    )
-    loss = GRPOTrainer._compute_loss(trainer, model, inputs)
-    return loss, metrics["train" if model.training else "eval"]
-
-
-def grads(model: torch.nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
-    model.zero_grad()
-    loss.backward()
-    return [p.grad.clone() for p in model.parameters()]
-
-
 # ---------------------------------------------------------------- numerics against TRL
 
 
 @pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo"])
 def test_losses_kl_and_clipping_equal_trls(tokenizer, loss):
     """Fixed completions, rewards and old log-probs far enough from the policy's that both clips act: the loss, its
-    gradients, the KL and the clipped share equal TRL's, for each loss type (temperature 0.7 and clip-higher on)."""
-    from trl.trainer.utils import add_fused_lm_head
-
+    gradients, the KL and the clipped share equal TRL's, for each loss type (temperature 0.7 and clip-higher on).
+    `compare` is what benchmarks/grpo_vs_trl.py reports on the quickstart model's own completions."""
     cfg = GRPOConfig(loss=loss, beta=0.04, epsilon=0.2, epsilon_high=0.28, temperature=0.7, max_new_tokens=8)
     rows, rewards = completions_batch(tokenizer)
     advantages, _ = grpo.group_advantages(rewards, 4, "group")
     batch = grpo.collate_completions(
         [r | {"advantage": a} for r, a in zip(rows, advantages.tolist(), strict=True)], pad_token_id=0
     )
-    model, reference = tiny_model(tokenizer), tiny_model(tokenizer, seed=1)
-    add_fused_lm_head(model, temperature=cfg.temperature, outputs=("log_probs", "entropy"))
-    add_fused_lm_head(reference, temperature=cfg.temperature, outputs=("log_probs", "entropy"))
-    ours_module = grpo.GRPOModel(model, "chunked", cfg, "copy", reference)
+    model = with_trl_head(tiny_model(tokenizer), cfg)
+    reference = with_trl_head(tiny_model(tokenizer, seed=1), cfg)
     with torch.no_grad():
-        current = ours_module(**batch, logps_only=True)
+        current = grpo.GRPOModel(model, "chunked", cfg, "none")(**batch, logps_only=True)
     batch["old_logps"] = current + torch.linspace(-0.5, 0.5, len(current))  # ratios from 0.6 to 1.6: both clips
-    out = ours_module(**batch)
-    mine = out[0] / grpo.units_of(batch, cfg)
-    mine_grads = grads(model, mine)
+    r = compare(model, reference, batch, cfg)
+    assert r["loss"][0] == pytest.approx(r["loss"][1], abs=1e-5)
+    assert r["grad_norm"][0] > 0 and r["grad_max_abs_diff"] < 1e-5
+    assert 0 < r["clip_ratio"][0] < 1 and r["clip_ratio"][0] == pytest.approx(r["clip_ratio"][1], abs=1e-6)
+    assert r["kl"][0] > 0 and r["kl"][0] == pytest.approx(r["kl"][1], rel=1e-5)
 
-    inputs = trl_layout(batch)
-    mask = inputs["completion_mask"]
-    with torch.no_grad():
-        ref = grpo.GRPOModel(reference, "chunked", cfg, "none")(**batch, logps_only=True)
-    inputs |= {
-        "advantages": batch["advantages"],
-        "old_per_token_logps": to_padded(batch["old_logps"], mask),
-        "ref_per_token_logps": to_padded(ref, mask),
-        "num_items_in_batch": mask.sum(),
-    }
-    theirs, metrics = trl_loss(model, inputs, cfg, cfg.max_new_tokens)
-    assert float(mine) == pytest.approx(float(theirs), abs=1e-5)
-    for a, b in zip(mine_grads, grads(model, theirs), strict=True):
-        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
-    clipped, kl, tokens = out[1:].tolist()
-    assert 0 < clipped / tokens < 1 and clipped / tokens == pytest.approx(
-        metrics["clip_ratio/region_mean"][0], abs=1e-6
-    )
-    assert kl / tokens == pytest.approx(metrics["kl"][0], rel=1e-5) and kl > 0
+
+def test_the_trl_benchmark_runs_on_a_saved_model(tokenizer, tmp_path):
+    """`python -m benchmarks.grpo_vs_trl` end to end on a saved toy (its figures come from the quickstart model)."""
+    folder = tmp_path / "model"
+    tiny_model(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "grpo_vs_trl.json"
+    result = grpo_vs_trl.main(["--model", str(folder), "--prompts", "2", "--repeats", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == result and result["rollout"]["completions"] == 16
+    for r in result["losses"].values():
+        assert r["loss"][0] == pytest.approx(r["loss"][1], abs=1e-6) and r["grad_max_abs_diff"] < 1e-5
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
