@@ -11,6 +11,7 @@ Run them from the repository root, as modules (the package is found from there; 
     memory      the memory estimator against measured peaks; the micro-batch picker against accelerate's retry
     planner     the planner's pick against every candidate measured
     preference  preference pairs packed into rows against one padded row per sequence
+    grpo_vs_trl GRPO's loss, gradients, KL and clipping beside TRL's on the same completions
     scale_out   per-process peaks of 2-process runs under each engine against `llmtune estimate`
     vs_hf       llmtune against the HF Trainer on the same work
     gpu_check   what llmtune promises, measured on a GPU in one command

@@ -8,8 +8,14 @@ import pytest
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked `gpu` show what only a CUDA GPU can (benchmarks/gpu_check.py runs them there)."""
+    """Modules that launch several processes run last, each module whole (its module fixtures are made once): CI runs
+    the floor suite beside this one on 2 cores, one-process tests pair with it, and the launches of 2 processes have
+    both cores once it has finished. Tests marked `gpu` show what only a CUDA GPU can (benchmarks/gpu_check.py runs
+    them there)."""
     import torch
+
+    launching = {item.nodeid.split("::")[0] for item in items if "multiprocess" in item.keywords}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] in launching)  # stable: each module's own order stays
 
     if torch.cuda.is_available():
         return

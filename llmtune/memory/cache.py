@@ -56,8 +56,7 @@ def prefetch(config: Any, jobs: list[tuple[int, Settings]]) -> None:
         return
     if threading.active_count() > 1:
         # A child forked while another thread (tqdm's monitor, a watchdog) holds a lock inherits it held and can wait
-        # forever: the traces run here instead (CI's gpu_check, after sections that drew progress bars, took 218 s
-        # where it takes 38 s alone).
+        # forever: the traces run here instead.
         return
     if len(_TRACES) + len(missing) > _MAX_TRACES:
         _TRACES.clear()
