@@ -12,13 +12,11 @@ $(VENV_OK): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	@# Keep a CUDA torch that is already there; otherwise take the CPU build unless a GPU is visible.
-	@# --no-compile: Python compiles the modules a run imports on first use; compiling every installed file up front
-	@# (thousands in torch and transformers) took 20 of 34 s installing those two here.
 	if ! $(PY) -c "import torch" 2>/dev/null; then \
-	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q --no-compile torch; \
-	  else $(PY) -m pip install -q --no-compile $(CPU_TORCH); fi; \
+	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
+	  else $(PY) -m pip install -q $(CPU_TORCH); fi; \
 	fi
-	$(PY) -m pip install -q --no-compile -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev]"
 	touch $(VENV_OK)
 
 # The demo starts from scratch each time, then scores exact-match answers on the held-out questions.
@@ -70,7 +68,7 @@ FLOOR := .venv-floor
 test-floor:
 	test -x $(FLOOR)/bin/python || python3 -m venv $(FLOOR)
 	$(FLOOR)/bin/python -m pip install -q --upgrade pip
-	$(FLOOR)/bin/python -m pip install -q --no-compile -e ".[dev]" $$(python3 .ci/floors.py)
+	$(FLOOR)/bin/python -m pip install -q -e ".[dev]" $$(python3 .ci/floors.py)
 	$(FLOOR)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|peft|datasets|pyyaml|deepspeed) '
 	$(FLOOR)/bin/python -m pytest -q -m "not slow and not multiprocess" $(ARGS)
 
