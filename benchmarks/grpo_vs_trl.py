@@ -153,7 +153,8 @@ def compare(
 
 
 def rollout(model: torch.nn.Module, tokenizer, cfg: GRPOConfig, prompts: int) -> tuple[dict, dict]:
-    """16 training questions (every task), 8 sampled answers each, rewarded and given their advantages."""
+    """The first `prompts` training questions (every task), num_generations sampled answers each, rewarded and given
+    their advantages."""
     lines = QUESTIONS.read_text().splitlines()[:prompts]
     rows = [render_prompt_row(json.loads(line), {"answer": "completion"}, "prompt", tokenizer) for line in lines]
     group = [r for r in rows for _ in range(cfg.num_generations)]
@@ -165,10 +166,7 @@ def rollout(model: torch.nn.Module, tokenizer, cfg: GRPOConfig, prompts: int) ->
     texts = [tokenizer.decode(until_stop(c, stop), skip_special_tokens=True) for c in completions]
     rewards = grpo.score(grpo.load_rewards(cfg.rewards), group, texts, 0)[:, 0].float()
     advantages, group_std = grpo.group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
-    examples = [
-        {"input_ids": r["input_ids"] + c, "labels": [IGNORE] * len(r["input_ids"]) + c, "advantage": a}
-        for r, c, a in zip(group, completions, advantages.tolist(), strict=True)
-    ]
+    examples = grpo.completion_rows([r["input_ids"] for r in group], completions, advantages.tolist())
     batch = grpo.collate_completions(examples, pad_token_id=pad_id(tokenizer, stop))
     stats = {
         "completions": len(completions),
@@ -183,10 +181,11 @@ def move_policy(policy: torch.nn.Module, batch: dict, cfg: GRPOConfig, lr: float
     """The first update of num_iterations 2: the batch's old log-probs are the sampling weights', then one Adam
     step on the GRPO loss (without its KL term) moves the policy away from them."""
     cfg = dataclasses.replace(cfg, beta=0.0)
+    module = grpo.GRPOModel(policy, "chunked", cfg, "none")
     with torch.no_grad():
-        batch["old_logps"] = grpo.GRPOModel(policy, "chunked", cfg, "none")(**batch, logps_only=True)
+        batch["old_logps"] = module(**batch, logps_only=True)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
-    out = grpo.GRPOModel(policy, "chunked", cfg, "none")(**batch)
+    out = module(**batch)
     (out[0] / grpo.units_of(batch, cfg)).backward()
     optimizer.step()
     policy.zero_grad(set_to_none=True)
@@ -232,8 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
     batch, stats = rollout(reference, tokenizer, base, a.prompts)
     policy = copy.deepcopy(reference).train()
     move_policy(policy, batch, base, a.lr)
-    for model in (policy, reference.eval()):
-        with_trl_head(model, base)
+    with_trl_head(policy, base)  # the reference's log-probs come from our code on both sides
+    reference.eval()
     rows = {}
     for loss in LOSSES:
         cfg = dataclasses.replace(base, loss=loss)
@@ -245,7 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
         "host": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "model": str(a.model.relative_to(ROOT) if a.model.is_relative_to(ROOT) else a.model),
-        "settings": {"beta": 0.04, "epsilon": 0.2, "epsilon_high": 0.28, "temperature": 1.0, "adam_lr": a.lr},
+        "settings": {k: getattr(base, k) for k in ("beta", "epsilon", "epsilon_high", "temperature")}
+        | {"adam_lr": a.lr},
         "rollout": stats,
         "losses": rows,
     }

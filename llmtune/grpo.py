@@ -267,6 +267,17 @@ class GRPOModel(torch.nn.Module):
         return torch.cat([total.unsqueeze(0), stats.to(total.device)])
 
 
+def completion_rows(
+    prompts: Sequence[list[int]], completions: Sequence[list[int]], advantages: Sequence[float]
+) -> list[dict]:
+    """Prompt + completion rows, only the completion labelled, each with its advantage (`collate_completions`'s
+    examples)."""
+    return [
+        {"input_ids": p + c, "labels": [IGNORE] * len(p) + c, "advantage": a}
+        for p, c, a in zip(prompts, completions, advantages, strict=True)
+    ]
+
+
 def collate_completions(
     examples: list[dict], *, pad_token_id: int, packed: bool = False, pad_to_multiple_of: int | None = None
 ) -> dict[str, Tensor]:

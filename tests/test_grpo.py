@@ -58,7 +58,7 @@ def test_losses_kl_and_clipping_equal_trls(tokenizer, loss):
         [r | {"advantage": a} for r, a in zip(rows, advantages.tolist(), strict=True)], pad_token_id=0
     )
     model = with_trl_head(tiny_model(tokenizer), cfg)
-    reference = with_trl_head(tiny_model(tokenizer, seed=1), cfg)
+    reference = tiny_model(tokenizer, seed=1)  # its log-probs come from our code on both sides
     with torch.no_grad():
         current = grpo.GRPOModel(model, "chunked", cfg, "none")(**batch, logps_only=True)
     batch["old_logps"] = current + torch.linspace(-0.5, 0.5, len(current))  # ratios from 0.6 to 1.6: both clips

@@ -105,10 +105,7 @@ class GRPO:
         texts = [ctx.tokenizer.decode(until_stop(c, self.stop), skip_special_tokens=True) for c in completions]
         scores = grpo.score(self.rewards, prompts, texts, generation)
         advantages = self.advantages(scores, completions)
-        return [
-            {"input_ids": p["input_ids"] + c, "labels": [IGNORE] * len(p["input_ids"]) + c, "advantage": a}
-            for p, c, a in zip(prompts, completions, advantages.tolist(), strict=True)
-        ]
+        return grpo.completion_rows([p["input_ids"] for p in prompts], completions, advantages.tolist())
 
     def sample(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
         """The policy's completions, sampled with the weights it trains now, through the prepared module's forward
