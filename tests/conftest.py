@@ -1,7 +1,11 @@
-"""Shared fixtures: a tokenizer built offline (nothing comes from the hub)."""
+"""Shared fixtures: a tokenizer built offline (nothing comes from the hub), tiny runs, and a guard that no process a
+test started outlives it."""
 
 from __future__ import annotations
 
+import itertools
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,43 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Every process a test starts inherits this variable with the test's own value (launched workers too, which
+# torch's launcher puts in sessions of their own, out of reach of the launcher's process group).
+TEST_TAG = "LLMTUNE_TEST_TAG"
+_tags = itertools.count()
+
+
+def processes_tagged(tag: str) -> dict[int, str]:
+    """{pid: command line} of the live processes whose environment holds TEST_TAG=tag."""
+    found, needle = {}, f"{TEST_TAG}={tag}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if needle in (proc / "environ").read_bytes().split(b"\0"):
+                found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone, or not ours
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test():
+    """A test that leaves a process behind fails, and the process is killed: the workers of a SIGKILLed launch kept
+    training in the background and took CPU from the tests after them."""
+    tag = f"{os.getpid()}-{next(_tags)}"
+    os.environ[TEST_TAG] = tag
+    yield
+    left = processes_tagged(tag) if Path("/proc").is_dir() else {}
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if left:
+        pytest.fail(f"processes outlived the test (killed now): {left}")
 
 
 CHATML = (

@@ -17,12 +17,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import TEST_TAG, processes_tagged
 from test_distributed import RUNS, free_port, losses
 from test_resilience import PAUSING_ENTRY
 
@@ -342,9 +343,31 @@ def kill_after_checkpoint(cmd: list[str], ready: Path, timeout: float = 300) -> 
             time.sleep(0.2)
         time.sleep(0.5)
     finally:
+        # The launcher and both workers, as a node failure would: torch's launcher starts each worker in a session
+        # of its own, so killing the launcher's group leaves them running (and training on, after their pause).
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers, as a node failure would
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        kill_and_reap(processes_tagged(os.environ[TEST_TAG]))
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, killed and not yet reaped by its adopter, has no environment left)."""
+    try:
+        return bool(Path(f"/proc/{pid}/environ").read_bytes())
+    except OSError:
+        return False
+
+
+def kill_and_reap(pids: Iterable[int], timeout: float = 30) -> None:
+    """SIGKILL `pids` and wait until none of them is left (they are not our children: poll /proc)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while any(map(alive, pids)):
+        assert time.monotonic() < deadline, f"processes {pids} outlived SIGKILL"
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("engine,method", [("fsdp2", "lora"), pytest.param("zero3", "none", marks=needs_deepspeed)])
