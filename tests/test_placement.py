@@ -40,17 +40,17 @@ def recipe_of(tiny_recipe, model_dir, tmp_path):  # noqa: F811 (the fixture impo
 
     def make(objective: str = "dpo", **overrides) -> Path:
         data = [{"path": str(pairs), "format": "preference"}] if objective != "sft" else None
-        return tiny_recipe(
-            model__name_or_path=str(model_dir),
-            model__random_init=False,
-            training__objective=objective,
-            training__max_steps=1,
-            training__micro_batch_size=1,
-            training__global_batch_size=4,
-            data__max_length=96,
+        defaults = {
+            "model__name_or_path": str(model_dir),
+            "model__random_init": False,
+            "training__objective": objective,
+            "training__max_steps": 1,
+            "training__micro_batch_size": 1,
+            "training__global_batch_size": 4,
+            "data__max_length": 96,
             **({"data__train": data} if data else {}),
-            **overrides,
-        )
+        }
+        return tiny_recipe(**(defaults | overrides))
 
     return make
 
@@ -124,6 +124,9 @@ class OnDevice(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    def tolist(self):  # a copy to the host, as on CUDA (torch has no op for it that a subclass could take)
+        return self.host.tolist()
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return HostBackedDevice.run(func, args, kwargs or {})
@@ -191,6 +194,16 @@ def on_device(monkeypatch):
         monkeypatch.setattr(
             hub_kernels, "_kernels_kernelize", lambda model, device, **kw: kernelize(model, device="cpu", **kw)
         )
+    # torch.tensor(data, device=...) builds its tensor below the dispatch modes, which never see it: as data made on
+    # the host, then moved there.
+    tensor = torch.tensor
+
+    def tensor_on(data, *args, device=None, **kwargs):
+        if device is not None and torch.device(device) == DEVICE:
+            return tensor(data, *args, **kwargs).to(DEVICE)
+        return tensor(data, *args, device=device, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", tensor_on)
     mode = HostBackedDevice()
     with mode:
         yield mode
@@ -230,3 +243,37 @@ def test_zero3_dpo_computes_the_precomputed_reference_through_the_sharded_model(
     step = first_step(tmp_path / "run")
     assert step["rewards_chosen"] == step["rewards_rejected"] == 0
     assert step["loss"] == pytest.approx(math.log(2), abs=1e-7)
+
+
+@pytest.mark.parametrize(("beta", "method"), [(0.0, "none"), (0.04, "none"), (0.04, "lora")])
+def test_grpo_samples_and_trains_on_the_training_device(beta, method, recipe_of, on_device, tmp_path):
+    """GRPO's setup, its first batch's sampling (generate with a KV cache, through the prepared module) and the first
+    forward on the completions, on the training device: with no reference, a frozen copy (full fine-tuning) or the
+    adapters switched off (LoRA)."""
+    from test_grpo import write_prompts
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", n=8)
+    recipe = recipe_of(
+        "grpo",
+        data__train=[{"path": str(prompts), "format": "prompt", "fields": {"prompt": "question"}}],
+        data__max_length=16,
+        training__gradient_checkpointing=False,
+        training__micro_batch_size=4,
+        training__global_batch_size=4,
+        peft__method=method,
+        grpo={
+            "num_generations": 2,
+            "max_new_tokens": 4,
+            "beta": beta,
+            "rewards": [{"function": "llmtune.rewards:exact_match"}],
+        },
+    )
+    run = build(load_recipe(recipe))
+    examples = batch_for_step(
+        run.data.train, step=0, global_batch_size=2, seed=0, rank=0, world_size=1, group_by_length=False
+    )
+    rows = run.objective.rollout(examples, 0)
+    assert len(rows) == 4 and torch.ops.aten.embedding.default in on_device.on_device  # sampled there
+    batch = {k: v.to(DEVICE) for k, v in collate_for(run, rows).items()}
+    assert run.model(**batch).device == DEVICE
+    assert {p.device for p in run.model.parameters()} == {DEVICE}
