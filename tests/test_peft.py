@@ -337,13 +337,20 @@ def test_merge_errors_are_clear(tmp_path, base_dir):
 
 @pytest.fixture
 def no_loading(monkeypatch):
-    """Fail the test if the run gets as far as loading a tokenizer, a config or a model."""
+    """Fail the test if the run gets as far as loading a tokenizer, a config or a model: transformers' own loaders,
+    whichever llmtune module calls them."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model/tokenizer load was attempted before the refusal")
 
-    for name in ("load_tokenizer", "load_config", "load_model"):
-        monkeypatch.setattr(f"llmtune.train.{name}", refuse)
+    for auto, loader in (
+        (AutoTokenizer, "from_pretrained"),
+        (AutoConfig, "from_pretrained"),
+        (AutoModelForCausalLM, "from_pretrained"),
+        (AutoModelForCausalLM, "from_config"),
+    ):
+        monkeypatch.setattr(auto, loader, refuse)
 
 
 @NO_CUDA
