@@ -231,10 +231,11 @@ class GRPOModel(torch.nn.Module):
         cfg: GRPOConfig,
         reference: str,
         reference_model: torch.nn.Module | None = None,
+        chunk_size: int | None = None,
     ):
         super().__init__()
         self.model, self.impl, self.cfg, self.reference = model, impl, cfg, reference
-        self.chunk_size = default_chunk_size(text_config(model.config).vocab_size)
+        self.chunk_size = chunk_size or default_chunk_size(text_config(model.config).vocab_size)
         self._reference_model = (reference_model,)  # a tuple: not registered as a submodule
 
     def logps(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:

@@ -19,7 +19,7 @@ state of its own in a checkpoint: a resumed run draws what the uninterrupted run
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -147,9 +147,9 @@ class BF16AdamW(torch.optim.Optimizer):
 
 
 def optimizer_choice(optimizer: str, precision: str, peft_method: str) -> str:
-    """What `make_optimizer` builds for `training.optimizer` at this precision, by the memory estimator's names:
-    AdamW on bf16 weights (bf16-true without adapters; adapters are fp32) is BF16AdamW, "adamw_bf16"; on any other
-    weights the fused AdamW, "adamw_fused"; adamw_8bit as asked."""
+    """What `make_optimizer` builds for `training.optimizer` at this precision, by `build_optimizer`'s names (the
+    memory estimator's): AdamW on bf16 weights (bf16-true without adapters; adapters are fp32) is BF16AdamW,
+    "adamw_bf16"; on any other weights the fused AdamW, "adamw_fused"; adamw_8bit as asked."""
     if optimizer != "adamw":
         return optimizer
     return "adamw_bf16" if precision == "bf16-true" and peft_method == "none" else "adamw_fused"
@@ -163,15 +163,49 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, device: torch.device)
             # Biases and norm gains (1-D) are not decayed: decay would pull them toward 0, not toward small.
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    betas = tuple(t.adam_betas)
-    if t.optimizer == "adamw_8bit":
-        import bitsandbytes as bnb
+    name = optimizer_name(t.optimizer, decay + no_decay, device.type)
+    # The recipe's seed is the same on every process, as BF16AdamW's rounding noise must be (module docstring).
+    return build_optimizer(name, groups, device.type, lr=t.learning_rate, betas=tuple(t.adam_betas), seed=recipe.seed)
 
-        return bnb.optim.AdamW8bit(groups, lr=t.learning_rate, betas=betas)
-    if any(p.dtype == torch.bfloat16 for p in decay + no_decay):
-        # The recipe's seed is the same on every process, as the rounding noise must be (module docstring).
-        return BF16AdamW(groups, lr=t.learning_rate, betas=betas, seed=recipe.seed)
+
+def optimizer_name(optimizer: str, trained: list[torch.nn.Parameter], device_type: str) -> str:
+    """What `make_optimizer` builds for `training.optimizer` on these trained parameters, by `build_optimizer`'s names:
+    adamw_8bit as asked; AdamW on bf16 weights, BF16AdamW; else the fused AdamW where torch has the kernel."""
+    if optimizer == "adamw_8bit":
+        return optimizer
+    if any(p.dtype == torch.bfloat16 for p in trained):
+        return "adamw_bf16"
     # Fused AdamW does the whole update in one kernel with no state-sized temporaries; on a CPU torch's
     # default loops tensor by tensor, ~10x slower (benchmarks/results/measurements.md).
-    fused = device.type in ("cuda", "cpu") and all(p.dtype.is_floating_point for p in decay + no_decay)
-    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=betas, fused=fused or None)
+    fused = device_type in ("cuda", "cpu") and all(p.dtype.is_floating_point for p in trained)
+    return "adamw_fused" if fused else "adamw"
+
+
+def build_optimizer(
+    name: str,
+    params: Iterable[Any],
+    device_type: str,
+    *,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    seed: int = 0,
+    adamw_8bit: Callable[..., torch.optim.Optimizer] | None = None,
+) -> torch.optim.Optimizer:
+    """The optimizer `name` over `params` (parameters or groups) for a `device_type` device: training's
+    (`make_optimizer`) and the memory estimator's, which names it by `optimizer_choice`.
+
+    adamw_8bit: bitsandbytes' AdamW8bit, or what `adamw_8bit` gives in its place (the estimator's model of its
+    states, llmtune.memory.kernels); adamw_bf16: `BF16AdamW`; adamw_fused: torch's fused AdamW; adamw: torch's
+    default for the device, foreach on CUDA (said here: the estimator's fake tensors sit on the CPU), else left to
+    torch (the per-tensor loop on a CPU)."""
+    if name == "adamw_8bit":
+        if adamw_8bit is None:
+            import bitsandbytes as bnb
+
+            adamw_8bit = bnb.optim.AdamW8bit
+        return adamw_8bit(params, lr=lr, betas=betas)
+    if name == "adamw_bf16":
+        return BF16AdamW(params, lr=lr, betas=betas, seed=seed)
+    if name == "adamw_fused":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, fused=True)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, foreach=device_type == "cuda" or None)

@@ -1,15 +1,17 @@
-"""What a run says about itself: the setup lines before the first step, each step's metrics, the time model's check
-on steps 3 and 4, and `run_summary.json` at the end."""
+"""What a run says about itself: the setup lines before the first step, each step's metrics, what its measured steps
+showed (the steady peaks, held against the budget; the time model's check on steps 3 and 4), and `run_summary.json`
+at the end."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from llmtune import parallel
 from llmtune.metrics import MetricsLogger
+from llmtune.resilience import check_budget
 from llmtune.run import Run, StepResult
 from llmtune.schedule import lr_factor
 
@@ -128,3 +130,27 @@ def log_step(
         memory_tracked=peak is not None,
         **result.extra,
     )
+
+
+@dataclass
+class Measured:
+    """What `fit` keeps of its measured steps: the steady-state peaks (AdamW's states appear during step 1, so from
+    step 2 on), held against the budget, and the seconds of steps 3 and 4, which check the time model's speed."""
+
+    peaks: dict[str, int] = field(default_factory=lambda: {"peak_memory_bytes": 0, "peak_reserved_bytes": 0})
+    timed: list[float] = field(default_factory=list)  # the first two steps are warm-up and memory measurement
+
+    def memory(self, run: Run, step: int, peak: int | None, reserved: int | None, rows: int) -> None:
+        """Optimizer step `step` (1-based), over `rows` rows a process, peaked at `peak` live and `reserved` bytes
+        (None where it was not measured)."""
+        if step > 1 and peak:
+            self.peaks["peak_memory_bytes"] = max(self.peaks["peak_memory_bytes"], peak)
+            self.peaks["peak_reserved_bytes"] = max(self.peaks["peak_reserved_bytes"], reserved)
+            check_budget(run, step, reserved, per_process=rows)
+
+    def time(self, run: Run, step: int, seconds: float) -> None:
+        """Optimizer step `step` took `seconds`."""
+        if step in (3, 4):
+            self.timed.append(seconds)
+            if step == 4 or step == run.recipe.training.max_steps:
+                run.speed = check_speed(run, sum(self.timed) / len(self.timed))

@@ -35,13 +35,12 @@ from llmtune.recipe import Recipe, dump_recipe
 from llmtune.resilience import (
     OOM_FILE,
     NonFiniteGuard,
-    check_budget,
     plan_after_out_of_memory,
     stop_after_out_of_memory,
 )
 from llmtune.run import Run, StepResult
 from llmtune.schedule import lr_factor, set_learning_rate
-from llmtune.summary import check_speed, log_setup, log_step, run_summary
+from llmtune.summary import Measured, log_setup, log_step, run_summary
 
 # Names the tests, scripts and users import from here.
 __all__ = ["EXIT_PREEMPTED", "OOM_FILE", "PlanError", "Run", "TrainingError", "build", "fit", "lr_factor", "train"]
@@ -127,9 +126,8 @@ def fit(run: Run) -> dict[str, Any]:
     metrics = MetricsLogger(acc, out, r, total_steps=r.training.max_steps, start_step=run.start_step)
     guard = NonFiniteGuard(r.training.max_nonfinite_steps, checkpoint.checkpoints_root(out))
     eval_loss = None
-    peaks = {"peak_memory_bytes": 0, "peak_reserved_bytes": 0}  # steady state: AdamW states appear during step 1
+    measured = Measured()
     step = run.start_step
-    timed: list[float] = []  # seconds of steps 3 and 4 (the first two are warm-up and memory measurement)
     started = time.perf_counter()
     # from_pretrained returns the model in eval mode, and transformers checkpoints activations (and applies
     # dropout) only in training mode: without this the steps before the first evaluation ran with neither.
@@ -137,17 +135,7 @@ def fit(run: Run) -> dict[str, Any]:
     # Log lines go through the progress bar's own writer: printed straight to the terminal, they land on the bar's line.
     with Preemption() as preemption, logging_redirect_tqdm():
         while step < r.training.max_steps:
-            data_step, drawn = run.objective.draw(step, r.training.global_batch_size)
-            examples = batch_for_step(
-                run.data.train,
-                step=data_step,
-                global_batch_size=drawn,
-                seed=r.seed,
-                rank=acc.process_index,
-                world_size=acc.num_processes,
-                group_by_length=r.data.group_by_length,
-            )
-            examples = run.objective.rollout(examples, step)  # GRPO: the policy's completions of these prompts
+            examples = draw_examples(run, step)
             lr = set_learning_rate(run.optimizer, r, step)
             t0 = time.perf_counter()  # the step; with its evaluation and checkpoint below, the grace a signal gives
             result, peak, reserved = measured_step(run, examples, step)
@@ -157,31 +145,54 @@ def fit(run: Run) -> dict[str, Any]:
             run.counters["skipped_steps"] += int(not result.finite or result.overflow)  # overflow: fp16's scaler
             step += 1
             run.counters["trained_tokens"] += result.trained_tokens
-            if step > 1 and peak:
-                peaks["peak_memory_bytes"] = max(peaks["peak_memory_bytes"], peak)
-                peaks["peak_reserved_bytes"] = max(peaks["peak_reserved_bytes"], reserved)
-                check_budget(run, step, reserved, per_process=len(examples))
+            measured.memory(run, step, peak, reserved, len(examples))
             seconds = time.perf_counter() - t0
-            if step in (3, 4):
-                timed.append(seconds)
-                if step == 4 or step == r.training.max_steps:
-                    run.speed = check_speed(run, sum(timed) / len(timed))
+            measured.time(run, step, seconds)
             log_step(run, metrics, step, result, lr=lr, seconds=seconds, peak=peak, reserved=reserved)
-            eval_now = r.training.eval_every_n_steps and step % r.training.eval_every_n_steps == 0
-            if run.data.eval is not None and (eval_now or step == r.training.max_steps):
-                try:
-                    eval_loss = evaluate(run)
-                except torch.OutOfMemoryError:
-                    stop_after_out_of_memory(run, "evaluation", len(examples))
-                metrics.log_eval(step, eval_loss)
+            if evaluation_due(run, step):
+                eval_loss = evaluate_and_log(run, metrics, step, len(examples))
             if save_or_stop(run, step, preemption, checkpoint_ok=not guard.in_a_row):
                 metrics.close()
                 return {"preempted_at_step": step}
             preemption.grace_s = max(preemption.grace_s, 3 * (time.perf_counter() - t0))
     final = save_final(run)
-    summary = run_summary(run, metrics, peaks, time.perf_counter() - started, step, eval_loss, final)
+    summary = run_summary(run, metrics, measured.peaks, time.perf_counter() - started, step, eval_loss, final)
     metrics.close(summary)
     return summary
+
+
+def draw_examples(run: Run, step: int) -> list[dict]:
+    """This process's rows for optimizer step `step`: its share of the data step the objective draws, made into the
+    rows the step trains on (GRPO: the policy's completions of these prompts)."""
+    r, acc = run.recipe, run.accelerator
+    data_step, drawn = run.objective.draw(step, r.training.global_batch_size)
+    examples = batch_for_step(
+        run.data.train,
+        step=data_step,
+        global_batch_size=drawn,
+        seed=r.seed,
+        rank=acc.process_index,
+        world_size=acc.num_processes,
+        group_by_length=r.data.group_by_length,
+    )
+    return run.objective.rollout(examples, step)
+
+
+def evaluation_due(run: Run, step: int) -> bool:
+    """Whether the eval split is evaluated after optimizer step `step`: every eval_every_n_steps, and at the last."""
+    t = run.recipe.training
+    every = t.eval_every_n_steps and step % t.eval_every_n_steps == 0
+    return run.data.eval is not None and bool(every or step == t.max_steps)
+
+
+def evaluate_and_log(run: Run, metrics: MetricsLogger, step: int, rows: int) -> float:
+    """`evaluate`, logged; out of memory, the run stops (`stop_after_out_of_memory`: `rows` rows a process)."""
+    try:
+        eval_loss = evaluate(run)
+    except torch.OutOfMemoryError:
+        stop_after_out_of_memory(run, "evaluation", rows)
+    metrics.log_eval(step, eval_loss)
+    return eval_loss
 
 
 def measured_step(run: Run, examples: list[dict], step: int) -> tuple[StepResult | None, int | None, int | None]:

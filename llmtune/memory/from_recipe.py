@@ -19,6 +19,7 @@ from llmtune.memory.generation import (
 from llmtune.memory.plan import BatchPlan
 from llmtune.memory.search import plan_micro_batch
 from llmtune.memory.settings import LoraSpec
+from llmtune.objectives import reference_for
 from llmtune.optim import optimizer_choice
 from llmtune.recipe import DataConfig, ModelConfig, PeftConfig, Recipe, TrainingConfig, checkpointing_of
 from llmtune.timing import NOMINAL_RATES, Rates
@@ -70,7 +71,7 @@ def estimate_settings(
         trained_fraction=rows.trained_fraction,
         expandable_segments=expandable_segments(recipe),
         objective=t.objective,
-        reference=_reference(recipe),
+        reference=reference_for(recipe),
     )
 
 
@@ -105,17 +106,6 @@ def expandable_segments(recipe: Recipe) -> bool:
     if "expandable_segments" in conf:
         return "expandable_segments:true" in conf.replace(" ", "").lower()
     return recipe.memory.expandable_segments
-
-
-def _reference(recipe: Recipe) -> str:
-    if recipe.training.objective == "sft":
-        return "none"
-    if recipe.training.objective == "grpo":  # as llmtune.objectives.grpo.GRPO chooses it
-        return "none" if recipe.grpo.beta == 0 else ("adapter_disabled" if recipe.peft.method != "none" else "copy")
-    # Only here: llmtune.preference brings in the data pipeline (datasets, pyarrow: ~1 s of imports).
-    from llmtune.preference import resolve_reference
-
-    return resolve_reference(recipe.training.objective, recipe.preference, recipe.peft.method)
 
 
 def plan_rates(device: str, precision: str, config: Any, gpu: str | None = None) -> Rates:

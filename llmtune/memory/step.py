@@ -1,5 +1,6 @@
-"""What the estimator's traced step runs, on fake tensors: the model as training builds it, the optimizer it
-chooses, a micro-batch as the collate makes it, and the module the loop trains (`llmtune.memory.trace` runs them)."""
+"""What the estimator's traced step runs, on fake tensors: the model as training builds it, and what training runs
+on it, by the same code: the objective's own module and collate (`llmtune.objectives`) and the optimizer
+`llmtune.optim` builds (`llmtune.memory.trace` runs them)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,28 @@ from typing import Any
 
 import torch
 
-from llmtune.loss import CausalLMWithLoss
 from llmtune.memory.kernels import AdamW8bitModel, quantize_base_4bit
 from llmtune.memory.settings import Settings
 from llmtune.model import peft_quietly
+from llmtune.objectives import Objective, objective_named
+from llmtune.optim import build_optimizer
 
 
-def _build_model(config: Any, s: Settings) -> torch.nn.Module:
+def objective_of(s: Settings) -> Objective:
+    """The objective the step trains, with the reference the settings name."""
+    return objective_named(s.objective, s.reference)
+
+
+def micro_batch(objective: Objective, s: Settings) -> dict[str, torch.Tensor]:
+    """A micro-batch as the objective's `collate` makes it from `micro_batch_size` of its longest examples (`seq_len`
+    tokens: the largest micro-batch of the run). Real tensors, made outside the trace: a collate reads its examples'
+    values (where sequences start), which fake tensors do not have."""
+    packed = s.layout == "packed"
+    examples = [objective.longest_example(s.seq_len, packed)] * s.micro_batch_size
+    return objective.collate(examples, pad_token_id=0, packed=packed)
+
+
+def build_model(config: Any, s: Settings) -> torch.nn.Module:
     """The model as `llmtune.model.load_model` builds it for training, on fake tensors."""
     from transformers import AutoModelForCausalLM
 
@@ -64,79 +80,26 @@ def _build_model(config: Any, s: Settings) -> torch.nn.Module:
     return model
 
 
-def _build_optimizer(params: list[torch.nn.Parameter], optimizer: str, device: str):
-    if optimizer == "adamw_fused":
-        return torch.optim.AdamW(params, lr=1e-3, fused=True)
-    if optimizer == "adamw_bf16":  # llmtune's optimizer for bf16 weights: bf16 states, chunked fp32 temporaries
-        from llmtune.optim import BF16AdamW
-
-        return BF16AdamW(params, lr=1e-3)
-    if optimizer == "adamw_8bit":
-        return AdamW8bitModel(params, lr=1e-3)
-    # torch's own default for the target device: foreach on CUDA, the per-tensor loop on CPU.
-    return torch.optim.AdamW(params, lr=1e-3, foreach=(device == "cuda"))
-
-
-def _batch(s: Settings) -> dict[str, torch.Tensor]:
-    """A micro-batch as `llmtune.data.collate` makes it: packed rows carry position ids and no attention
-    mask (transformers builds the block-diagonal mask itself), padded rows an attention mask.
-
-    Preference pairs as `llmtune.preference.collate_pairs` makes them: packed, `micro_batch_size` rows of
-    `seq_len` tokens holding whole pairs (counted as one pair a row: only [pairs, 2] tensors depend on it);
-    padded, a row per sequence, chosen and rejected, each `seq_len // 2` long (a pair fills `max_length`).
-    GRPO completions as `llmtune.grpo.collate_completions` makes them (`_completions`)."""
-    if s.objective == "grpo":
-        return _completions(s)
-    rows, width = s.micro_batch_size, s.seq_len
-    pairs = s.objective != "sft"
-    if pairs and s.layout == "padded":
-        rows, width = 2 * s.micro_batch_size, max(2, s.seq_len // 2)
-    ids = {
-        "input_ids": torch.zeros((rows, width), dtype=torch.long),
-        "labels": torch.zeros((rows, width), dtype=torch.long),
-    }
-    if pairs:
-        ids |= {
-            "segment_ids": torch.zeros((rows, width), dtype=torch.long),
-            "pair_ids": torch.arange(s.micro_batch_size),
-        }
-        if s.reference == "precomputed":
-            ids["ref_logps"] = torch.zeros((s.micro_batch_size, 2), dtype=torch.float32)
-    if s.layout == "packed":
-        return ids | {"position_ids": torch.zeros((rows, width), dtype=torch.long)}
-    return ids | {"attention_mask": torch.ones((rows, width), dtype=torch.long)}
-
-
-def _completions(s: Settings) -> dict[str, torch.Tensor]:
-    """`micro_batch_size` prompt + completion rows padded to `seq_len` (the planner's data.max_length +
-    grpo.max_new_tokens), with an advantage each. Old log-probs (num_iterations > 1: 4 bytes a trained token) are
-    left out: beside the logits they are noise."""
-    shape = (s.micro_batch_size, s.seq_len)
-    return {
-        "input_ids": torch.zeros(shape, dtype=torch.long),
-        "labels": torch.zeros(shape, dtype=torch.long),
-        "attention_mask": torch.ones(shape, dtype=torch.long),
-        "advantages": torch.zeros(s.micro_batch_size, dtype=torch.float32),
-    }
-
-
-def _step_module(config: Any, model: torch.nn.Module, s: Settings) -> torch.nn.Module:
-    """What the loop trains (the objective's `module`, llmtune.objectives): SFT's loss module or preference's,
-    with a frozen copy for `reference="copy"` (its weights count as `reference_weights`)."""
-    if s.objective == "sft":
-        return CausalLMWithLoss(model, s.loss, s.chunk_size)
+def step_module(config: Any, model: torch.nn.Module, objective: Objective, s: Settings) -> torch.nn.Module:
+    """What the loop trains: the objective's own `module`, given the frozen reference (`reference="copy"`, its weights
+    counted as `reference_weights`) built here. Training's `objectives.base.frozen_copy` cannot run on fake tensors
+    (deepcopy refuses them: "Mixing fake modes"; `.to` swaps them, which fails), so the copy is built as the model is,
+    without adapters: training's holds the same weights, and under LoRA the adapters too (QLoRA's 4-bit base, not
+    this full-width one), and under FSDP2 / DeepSpeed its parameters in their compute dtype (`parallel.weights_dtype`),
+    where this copy's stay as the model builds them."""
     frozen = None
     if s.reference == "copy":
-        frozen = _build_model(config, replace(s, lora=None)).requires_grad_(False).eval()
-    if s.objective == "grpo":
-        from llmtune.grpo import GRPOModel
-        from llmtune.recipe import GRPOConfig
+        frozen = build_model(config, replace(s, lora=None)).requires_grad_(False).eval()
+    cpu = torch.device("cpu")  # the fake tensors' device, whatever is planned for (kernels.CudaKernels)
+    return objective.module(model, s.loss, cpu, None, chunk_size=s.chunk_size, reference_model=frozen)
 
-        # beta only decides whether the reference runs (`reference` says so); the clip and the averaging of the loss
-        # keep nothing the size of the batch beyond per-token vectors.
-        cfg = GRPOConfig(beta=0.0 if s.reference == "none" else 0.04)
-        return GRPOModel(model, s.loss, cfg, s.reference, frozen)
-    from llmtune.preference import PreferenceModel
-    from llmtune.recipe import PreferenceConfig
 
-    return PreferenceModel(model, s.loss, s.objective, PreferenceConfig(), s.reference, frozen, s.chunk_size)
+def step_optimizer(params: list[torch.nn.Parameter], s: Settings) -> torch.optim.Optimizer:
+    """The optimizer `s.optimizer` names (`llmtune.optim.optimizer_choice`), built as training builds it (in one group:
+    training's two, decayed or not, keep the same states); bitsandbytes' AdamW8bit by the model of its states
+    (`kernels.AdamW8bitModel`)."""
+    return build_optimizer(s.optimizer, params, s.device, lr=1e-3, adamw_8bit=_adamw_8bit)
+
+
+def _adamw_8bit(params: list[torch.nn.Parameter], lr: float, betas: tuple[float, float]) -> torch.optim.Optimizer:
+    return AdamW8bitModel(params, lr=lr)  # its states' sizes do not depend on the betas

@@ -23,8 +23,9 @@ from llmtune.memory.kernels import CudaKernels, parameter_count
 from llmtune.memory.offload import count_saved_inputs, offload_saved_inputs
 from llmtune.memory.settings import Settings
 from llmtune.memory.sharding import Sharding, sharding_plan
-from llmtune.memory.step import _batch, _build_model, _build_optimizer, _step_module
+from llmtune.memory.step import build_model, micro_batch, objective_of, step_module, step_optimizer
 from llmtune.model import apply_checkpointing
+from llmtune.objectives import Objective
 from llmtune.timing import Work
 
 _CUDA_BLOCK = 512  # bytes; the CUDA caching allocator rounds every block up to this
@@ -44,8 +45,10 @@ class Trace:
 def trace_step(config: Any, s: Settings, period: int) -> Trace:
     """Run one steady-state training step of `config` on fake tensors and record segment peaks."""
     fa2 = s.attn_implementation == "flash_attention_2"
-    with FakeTensorMode(), _no_packed_mask() if fa2 else nullcontext():
-        model, step_module, opt = _steady_state(config, s)
+    objective = objective_of(s)
+    inputs = micro_batch(objective, s)
+    with FakeTensorMode() as fake, _no_packed_mask() if fa2 else nullcontext():
+        model, module, opt = _steady_state(config, objective, s)
         trainable = [p for p in model.parameters() if p.requires_grad]
         layers = _decoder_layers(model)
         plan = _sharding_of(layers, trainable, s)
@@ -58,10 +61,11 @@ def trace_step(config: Any, s: Settings, period: int) -> Trace:
             "optimizer_states": _nbytes(state_tensors),
         }
         counter = _counter(model, plan, s)
-        batch = _register_states(counter, model, step_module, state_tensors, s)
+        batch = {k: fake.from_tensor(v) for k, v in inputs.items()}
+        _register_states(counter, model, module, state_tensors, batch, s)
         handles = _segment_hooks(counter, model, trainable, layers or [], period)
         with _hooks(handles), counter:
-            _run_step(counter, step_module, opt, batch, plan, s)
+            _run_step(counter, module, opt, batch, plan, s)
     overhead = 0
     if s.device == "cuda":
         reserved, allocated = reserved_peak(counter.events, expandable_segments=s.expandable_segments)
@@ -75,25 +79,27 @@ def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     return max(lists, key=len, default=None)
 
 
-def _steady_state(config: Any, s: Settings) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
+def _steady_state(
+    config: Any, objective: Objective, s: Settings
+) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
     """The model, the module the loop trains and the optimizer, with the optimizer's states already there."""
-    model = _build_model(config, s)
+    model = build_model(config, s)
     # A checkpointed block recomputes its forward in backward: with CUDA's kernels too. Offloading is traced
     # by hooks of our own (`offload_saved_inputs`): transformers' would copy fake tensors to pinned memory.
     recompute = CudaKernels if s.device == "cuda" else None
     apply_checkpointing(model, replace(s.checkpointing, offload=False), recompute=recompute)
     model.train()
     # The module the training loop runs (and refuses what it refuses, with the same message).
-    step_module = _step_module(config, model, s)
+    module = step_module(config, model, objective, s)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = _build_optimizer(trainable, s.optimizer, s.device)
+    opt = step_optimizer(trainable, s)
     # Steady state: AdamW creates its states at the first step(), so make them exist now
     # (zero grads + one untracked step) instead of tracing a whole first step.
     for p in trainable:
         p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad(set_to_none=s.grad_accum_steps == 1)
-    return model, step_module, opt
+    return model, module, opt
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -126,12 +132,13 @@ def _counter(model: torch.nn.Module, plan: Sharding, s: Settings) -> TraceCounte
 def _register_states(
     counter: TraceCounter,
     model: torch.nn.Module,
-    step_module: torch.nn.Module,
+    module: torch.nn.Module,
     state_tensors: list[torch.Tensor],
+    batch: dict[str, torch.Tensor],
     s: Settings,
-) -> dict[str, torch.Tensor]:
-    """Count what lives before the step (weights, gradients, optimizer states) and the micro-batch, which it returns.
-    The order is the allocator model's order of allocations (`allocator.reserved_peak`)."""
+) -> None:
+    """Count what lives before the step (weights, gradients, optimizer states) and the micro-batch. The order is the
+    allocator model's order of allocations (`allocator.reserved_peak`)."""
     for p in model.parameters():
         counter.register(p, "weights")
         if p.grad is not None:
@@ -139,14 +146,12 @@ def _register_states(
     for b in model.buffers():
         counter.register(b, "weights")
     if s.reference == "copy":  # the frozen copy PreferenceModel keeps outside its parameters
-        for w in step_module._reference_model[0].state_dict().values():
+        for w in module._reference_model[0].state_dict().values():
             counter.register(w, "reference_weights")
     for v in state_tensors:
         counter.register(v, "optimizer_states")
-    batch = _batch(s)
     for v in batch.values():
         counter.register(v, "inputs")
-    return batch
 
 
 def _segment_hooks(
@@ -208,7 +213,7 @@ def _segment_hooks(
 
 def _run_step(
     counter: TraceCounter,
-    step_module: torch.nn.Module,
+    module: torch.nn.Module,
     opt: torch.optim.Optimizer,
     batch: dict[str, torch.Tensor],
     plan: Sharding,
@@ -224,7 +229,7 @@ def _run_step(
     counter.extra_bytes = plan.always_extra + plan.fwd_bwd_extra
     counter.set_segment("pre")
     with autocast, CudaKernels() if s.device == "cuda" else nullcontext():
-        step_loss = step_module(**batch).reshape(-1)[0]  # preference: [loss, *statistics]
+        step_loss = module(**batch).reshape(-1)[0]  # preference: [loss, *statistics]
         if s.precision == "fp16":
             step_loss = step_loss * 65536.0  # GradScaler's scaled loss: a scalar
     counter.phase = "backward"
@@ -241,7 +246,7 @@ def _run_step(
 
 @contextmanager
 def _no_packed_mask() -> Iterator[None]:
-    """flash-attention-2 stands in as SDPA without a mask (see `step._build_model`). transformers' mask builder
+    """flash-attention-2 stands in as SDPA without a mask (see `step.build_model`). transformers' mask builder
     cannot look at fake position ids, assumes packed rows and would materialise a (batch, 1, seq, seq)
     block mask, which flash-attention-2 never builds (it takes the packed segments as varlen)."""
     import transformers.masking_utils as mu

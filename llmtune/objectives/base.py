@@ -20,14 +20,35 @@ if TYPE_CHECKING:
 
 class Objective(Protocol):
     name: str
+    reference: str  # what its reference forward runs on, resolved: none, adapter_disabled, copy or precomputed
 
     def module(
-        self, model: torch.nn.Module, loss_impl: str, device: torch.device, weights_dtype: torch.dtype | None
+        self,
+        model: torch.nn.Module,
+        loss_impl: str,
+        device: torch.device,
+        weights_dtype: torch.dtype | None,
+        *,
+        chunk_size: int | None = None,
+        reference_model: torch.nn.Module | None = None,
+    ) -> torch.nn.Module:
+        """`wrap` of `model`, with its frozen reference where `reference` is copy: `reference_model` where the caller
+        built it (the memory estimator, on fake tensors), else `frozen_copy` of `model`. `chunk_size`: the chunked
+        loss's rows per chunk; None, the vocabulary's default."""
+        frozen = None
+        if self.reference == "copy":
+            frozen = frozen_copy(model, device, weights_dtype) if reference_model is None else reference_model
+        return self.wrap(model, loss_impl, frozen, chunk_size)
+
+    def wrap(
+        self, model: torch.nn.Module, loss_impl: str, frozen: torch.nn.Module | None, chunk_size: int | None
     ) -> torch.nn.Module: ...
 
     def collate(
         self, examples: list[dict], *, pad_token_id: int, packed: bool, pad_to_multiple_of: int | None = None
     ) -> dict[str, torch.Tensor]: ...
+
+    def longest_example(self, length: int, packed: bool) -> dict: ...
 
     def units(self, batch: dict[str, torch.Tensor]) -> int: ...
 

@@ -20,7 +20,7 @@ from llmtune.data import IGNORE
 from llmtune.generate import pad_id, stop_ids, until_stop
 from llmtune.memory import PeakMemoryTracker
 from llmtune.model import SetupError
-from llmtune.objectives.base import frozen_copy
+from llmtune.objectives.base import Objective
 from llmtune.recipe import GRPOConfig
 from llmtune.units import format_bytes
 
@@ -34,13 +34,12 @@ log = logging.getLogger(__name__)
 CONSTANT_REWARD_BATCHES = 5
 
 
-class GRPO:
+class GRPO(Objective):
     name = "grpo"
 
-    def __init__(self, cfg: GRPOConfig, peft_method: str, seed: int) -> None:
-        self.cfg, self.seed = cfg, seed
+    def __init__(self, cfg: GRPOConfig, reference: str, seed: int) -> None:
+        self.cfg, self.reference, self.seed = cfg, reference, seed  # reference: resolved (`reference_for`)
         self.rewards = grpo.load_rewards(cfg.rewards)  # a missing function stops the run before anything loads
-        self.reference = "none" if cfg.beta == 0 else ("adapter_disabled" if peft_method != "none" else "copy")
         self.rows_per_example = cfg.num_generations
         self.context: AttachContext | None = None
         self.stop: list[int] = []
@@ -51,13 +50,18 @@ class GRPO:
         self.generations = 0
         self.generation_peak: int | None = None  # bytes, of the last batch's sampling where it was measured
 
-    def module(
-        self, model: torch.nn.Module, loss_impl: str, device: torch.device, weights_dtype: torch.dtype | None
+    def wrap(
+        self, model: torch.nn.Module, loss_impl: str, frozen: torch.nn.Module | None, chunk_size: int | None
     ) -> torch.nn.Module:
-        frozen = frozen_copy(model, device, weights_dtype) if self.reference == "copy" else None
-        return grpo.GRPOModel(model, loss_impl, self.cfg, self.reference, frozen)
+        return grpo.GRPOModel(model, loss_impl, self.cfg, self.reference, frozen, chunk_size)
 
     collate = staticmethod(grpo.collate_completions)
+
+    def longest_example(self, length: int, packed: bool) -> dict:
+        """A prompt and its completion filling a row of `length` tokens (never packed), every token trained, with an
+        advantage. No old log-probs (num_iterations > 1: 4 bytes a trained token): beside the logits, noise."""
+        ids = [0] * length
+        return {"input_ids": ids, "labels": ids, "advantage": 0.0}
 
     def units(self, batch: dict[str, torch.Tensor]) -> int:
         return grpo.units_of(batch, self.cfg)

@@ -11,7 +11,7 @@ import torch
 
 from llmtune import preference
 from llmtune.model import SetupError, weights_signature
-from llmtune.objectives.base import FromData, frozen_copy
+from llmtune.objectives.base import FromData, Objective
 from llmtune.recipe import PreferenceConfig
 
 if TYPE_CHECKING:
@@ -19,18 +19,28 @@ if TYPE_CHECKING:
     from llmtune.objectives.base import AttachContext
 
 
-class Preference(FromData):
-    def __init__(self, name: str, cfg: PreferenceConfig, peft_method: str) -> None:
-        self.name, self.cfg = name, cfg
-        self.reference = preference.resolve_reference(name, cfg, peft_method)
+class Preference(FromData, Objective):
+    def __init__(self, name: str, cfg: PreferenceConfig, reference: str) -> None:
+        self.name, self.cfg, self.reference = name, cfg, reference  # resolved (preference.resolve_reference)
 
-    def module(
-        self, model: torch.nn.Module, loss_impl: str, device: torch.device, weights_dtype: torch.dtype | None
+    def wrap(
+        self, model: torch.nn.Module, loss_impl: str, frozen: torch.nn.Module | None, chunk_size: int | None
     ) -> torch.nn.Module:
-        frozen = frozen_copy(model, device, weights_dtype) if self.reference == "copy" else None
-        return preference.PreferenceModel(model, loss_impl, self.name, self.cfg, self.reference, frozen)
+        return preference.PreferenceModel(model, loss_impl, self.name, self.cfg, self.reference, frozen, chunk_size)
 
     collate = staticmethod(preference.collate_pairs)
+
+    def longest_example(self, length: int, packed: bool) -> dict:
+        """One pair filling a row of `length` tokens, every token trained: packed, chosen and rejected halves of the
+        row; unpacked (a row a sequence), two sequences of `length // 2` tokens, at least 2 (one token predicts
+        nothing). With a precomputed reference, its log-probs."""
+        first = length // 2 if packed else max(2, length // 2)
+        second = length - first if packed else first
+        ids = [0] * (first + second)
+        example = {"input_ids": ids, "labels": ids, "position_ids": [*range(first), *range(second)]}
+        if self.reference == "precomputed":
+            example["ref_logps"] = [0.0, 0.0]
+        return example
 
     def units(self, batch: dict[str, torch.Tensor]) -> int:
         return preference.pairs_in(batch)
