@@ -40,6 +40,17 @@ HOST_LINK_EFFICIENCY = 0.8
 HOST_LINK_BYTES_PER_S = HOST_LINK_EFFICIENCY * 32e9
 
 
+# Where an SDPA kernel's query is in its arguments (q, k, v follow one another): first in the forwards, after the
+# output's gradient in the backwards.
+_A = torch.ops.aten
+_SDPA_QUERY_ARG = {
+    _A._scaled_dot_product_flash_attention: 0,
+    _A._scaled_dot_product_efficient_attention: 0,
+    _A._scaled_dot_product_flash_attention_backward: 1,
+    _A._scaled_dot_product_efficient_attention_backward: 1,
+}
+
+
 @dataclass
 class Work:
     """What a step computes: matmul FLOPs, bytes read and written by the other ops, ops dispatched, and bytes copied
@@ -58,7 +69,7 @@ class Work:
         self.ops += dispatches
         count = flop_registry.get(func._overloadpacket)
         if count is not None:
-            self.flops += count(*args, **kwargs, out_val=out)
+            self.flops += count(*_kv_at_query_heads(func, args), **kwargs, out_val=out)
         elif not func.is_view:
             tensors = tree_flatten((args, kwargs, out))[0]
             self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
@@ -71,6 +82,22 @@ class Work:
 
     def __mul__(self, factor: float) -> Work:
         return Work(*(a * factor for a in astuple(self)))
+
+
+def _kv_at_query_heads(func: Any, args: tuple) -> tuple:
+    """An SDPA kernel's arguments as its FLOP formula should read them: with grouped-query attention (fewer K/V heads
+    than the query's) the kernel broadcasts K and V to the query's heads, so its FLOPs are those of K and V at the
+    query's heads. torch 2.13's formulas count so; 2.11's refuse the shapes (an AssertionError), and a formula reads
+    shapes only, so K and V are given as their broadcast shapes."""
+    first = _SDPA_QUERY_ARG.get(func._overloadpacket)
+    if first is None:
+        return args
+    q, k, v = args[first : first + 3]
+    if k.shape[1] == q.shape[1]:
+        return args
+    heads = q.shape[1]
+    broadcast = [torch.Size((t.shape[0], heads, *t.shape[2:])) for t in (k, v)]
+    return (*args[:first], q, *broadcast, *args[first + 3 :])
 
 
 @dataclass(frozen=True)

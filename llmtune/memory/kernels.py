@@ -169,50 +169,99 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-class _SdpaMemory(torch.autograd.Function):
-    """What CUDA's flash and memory-efficient attention keep and allocate; values are never computed.
+# aten/src/ATen/native/transformers/attention.cpp, `preprocess_mask`: the memory-efficient kernel's bias needs every
+# stride but the last a multiple of 8 (torch 2.13's own inductor/lowering.py names the same ALIGNMENT = 8). Older
+# torch (2.1-2.3) aligned to 16 and padded after expanding to (B, H, L, S); that is not modelled.
+MEM_EFF_BIAS_ALIGNMENT = 8
 
-    Forward keeps q, k, v, the output and an fp32 log-sum-exp: (B, H, T) for flash, padded to a multiple of 32
-    for memory-efficient (`_efficient_attention_forward`). Backward allocates dq, dk, dv and workspaces:
-    flash-attention-2's `dq_accum`, fp32 (B, H, T rounded to 128, head dim rounded to 32/64) and `softmax_d`
-    (B, H, T rounded); memory-efficient's fp32 `delta` (B, H, T) and, for 16-bit inputs, an fp32 dQ
-    accumulator, plus dK/dV accumulators for head dims over 128 (xformers' kernel_backward.h, kNeedsAccumGrad*)."""
+
+def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """attention.cpp `convert_boolean_attn_mask`, run by `scaled_dot_product_attention` on every call before any
+    backend: a bool mask becomes a new additive mask of its own shape in q's dtype (`at::where(mask, 0, -inf)`); a
+    float mask passes as it is."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask, 0.0, torch.scalar_tensor(-math.inf, dtype=dtype, device=mask.device))
+
+
+def _efficient_bias(bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """attention.cpp `preprocess_mask` (the efficient-attention case of `scaled_dot_product_attention`): a bias
+    whose strides are aligned is only expanded (a view); otherwise `pad_bias` copies it with its last dim padded by
+    `alignment - size % alignment` and slices the padding off. Then the view is expanded to (B, H, L, S)."""
+    aligned = bias.stride(-1) == 1 and all(s % MEM_EFF_BIAS_ALIGNMENT == 0 for s in bias.stride()[:-1])
+    if not aligned:
+        size = bias.shape[-1]
+        bias = F.pad(bias, (0, MEM_EFF_BIAS_ALIGNMENT - size % MEM_EFF_BIAS_ALIGNMENT))[..., :size]
+    return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention.default
+_EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention.default
+
+
+class _SdpaMemory(torch.autograd.Function):
+    """CUDA's flash and memory-efficient attention as far as memory goes; values are never computed.
+
+    Forward runs the very aten op CUDA runs (`_scaled_dot_product_flash_attention` / `_efficient_attention`), here
+    through its meta kernel (torch/_meta_registrations.py: the output, an fp32 log-sum-exp (B, H, T), padded to a
+    multiple of 32 for memory-efficient, the RNG state), so that selective checkpointing's policy sees the op it
+    saves (llmtune.model._KEPT_OPS) and the time model counts its FLOPs. It keeps what derivatives.yaml saves for the
+    op's backward: q, k, v, the output, the log-sum-exp and RNG state, and memory-efficient's bias (the additive mask
+    `CudaKernels._sdpa` made, as `scaled_dot_product_attention` makes it).
+
+    Backward runs the op's backward (dq, dk, dv as q, k, v) and allocates its workspaces on top:
+    - flash (cuda/flash_attn/flash_api.cpp, `mha_bwd`): `softmax_d`, fp32 (B, H, T rounded to 128); `dq_accum`, fp32
+      (B, T rounded to 128, H, head dim rounded to 32, or 64 over 128); with GQA (fewer K/V heads than query heads)
+      `dk_expanded` and `dv_expanded` at the query heads, (B, T_k, H, head dim) in q's dtype, summed down into dk, dv.
+    - memory-efficient: fp32 `delta` (B, H, T) and, for 16-bit inputs, an fp32 dQ accumulator, plus dK/dV
+      accumulators for head dims over 128 (xformers' kernel_backward.h, kNeedsAccumGrad*). No grad of the bias: it
+      never requires grad here (grad_input_mask[3] false)."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, backend: str) -> torch.Tensor:
-        b, h, t, _ = q.shape
-        out = q.new_empty((b, h, t, v.shape[-1]))
-        lse = q.new_empty((b, h, t if backend == "flash" else _round_up(t, 32)), dtype=torch.float32)
-        ctx.backend = backend
-        ctx.save_for_backward(q, k, v, out, lse, *(() if mask is None else (mask,)))
+    def forward(
+        ctx: Any, q: T, k: T, v: T, bias: T | None, backend: str, dropout_p: float, is_causal: bool, scale: Any
+    ) -> T:
+        ctx.backend, ctx.dropout_p, ctx.is_causal, ctx.scale = backend, dropout_p, is_causal, scale
+        if backend == "flash":
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = _FLASH(q, k, v, dropout_p, is_causal, scale=scale)
+            ctx.varlen = (cum_q, cum_k, max_q, max_k)
+        else:
+            out, lse, seed, offset = _EFFICIENT(q, k, v, bias, True, dropout_p, is_causal, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset, bias)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v = ctx.saved_tensors[:3]
+    def backward(ctx: Any, grad: T) -> tuple[Any, ...]:
+        q, k, v, out, lse, seed, offset, bias = ctx.saved_tensors
         b, h, t, d = q.shape
         f32 = dict(dtype=torch.float32)
+        p, causal = ctx.dropout_p, ctx.is_causal
         if ctx.backend == "flash":
-            d_round = _round_up(d, 32 if d <= 128 else 64)
+            backward = torch.ops.aten._scaled_dot_product_flash_attention_backward
+            dq, dk, dv = backward(grad, q, k, v, out, lse, *ctx.varlen, p, causal, seed, offset, scale=ctx.scale)
             workspace = [
-                q.new_empty((b, h, _round_up(t, 128), d_round), **f32),
-                q.new_empty((b, h, _round_up(t, 128)), **f32),
+                q.new_empty((b, h, _round_up(t, 128)), **f32),  # softmax_d
+                q.new_empty((b, _round_up(t, 128), h, _round_up(d, 32 if d <= 128 else 64)), **f32),  # dq_accum
             ]
+            if k.shape[1] != h:  # dk_expanded, dv_expanded
+                workspace += [q.new_empty((b, k.shape[2], h, d)), q.new_empty((b, v.shape[2], h, v.shape[-1]))]
         else:
+            backward = torch.ops.aten._scaled_dot_product_efficient_attention_backward
+            needs = [True, True, True, False]
+            dq, dk, dv, _ = backward(grad, q, k, v, bias, out, lse, seed, offset, p, needs, causal, scale=ctx.scale)
             workspace = [q.new_empty((b, h, t), **f32)]
             if q.dtype != torch.float32:
                 workspace.append(q.new_empty(q.shape, **f32))
                 if d > 128:
                     workspace += [k.new_empty(k.shape, **f32), v.new_empty(v.shape, **f32)]
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         del workspace
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 class CudaKernels(TorchFunctionMode):
     """Inside a CPU-autocast trace: CUDA autocast's op lists where they differ from CPU's, and SDPA as the
     kernel CUDA would pick keeps and allocates it (flash/memory-efficient stand-ins; the math composite
-    runs as itself, which is what CUDA runs too)."""
+    called by name, which is what CUDA runs too)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -231,15 +280,23 @@ class CudaKernels(TorchFunctionMode):
 
     @staticmethod
     def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if torch.is_autocast_enabled("cpu"):  # SDPA is on CUDA autocast's lower-precision list
+        """attention.cpp `scaled_dot_product_attention` as CUDA runs it: the backend `cuda_sdpa_backend` picks, the
+        mask converted for it (`convert_boolean_attn_mask`, then `preprocess_mask` for memory-efficient). On CUDA
+        autocast, SDPA is on the lower-precision list and its inner ops run with autocast off; so here."""
+        if torch.is_autocast_enabled("cpu"):
             (q, k, v), _ = _cast(((q, k, v), {}), torch.get_autocast_dtype("cpu"))
         backend = cuda_sdpa_backend(q, attn_mask, enable_gqa)
-        if backend == "math":
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                enable_gqa=enable_gqa,
-            )  # fmt: skip
-        return _SdpaMemory.apply(q, k, v, attn_mask, backend)
+        with torch.autocast("cpu", enabled=False):
+            bias = _additive_mask(attn_mask, q.dtype)
+            if backend == "math":
+                # Called by name: on this CPU F.scaled_dot_product_attention may pick CPU's flash kernel, which keeps
+                # no (B, H, L, S) attention matrix; CUDA's math composite (`_scaled_dot_product_attention_math`) does.
+                return torch.ops.aten._scaled_dot_product_attention_math(
+                    q, k, v, bias, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+                )[0]
+            if bias is not None:
+                bias = _efficient_bias(bias, q, k)
+            return _SdpaMemory.apply(q, k, v, bias, backend, dropout_p, is_causal, scale)
 
 
 def _cast(tree: Any, dtype: torch.dtype) -> Any:
