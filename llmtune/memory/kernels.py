@@ -88,6 +88,16 @@ def quantize_base_4bit(model: torch.nn.Module, compute_dtype: torch.dtype) -> in
     return count
 
 
+def upcast_for_kbit_training(model: torch.nn.Module) -> None:
+    """peft's `prepare_model_for_kbit_training` (utils/other.py), which training runs on a QLoRA model: every 16-bit
+    parameter that is not 4-bit becomes fp32 (embeddings, the output head, norms). In bf16-true that doubles them
+    (+2.1 GB on an 8B model) and makes the residual stream fp32: a 4-bit layer casts its output back to its input's
+    dtype, so q, k and v are fp32 too, which CUDA's flash kernel does not take."""
+    for param in model.parameters():
+        if param.dtype in (torch.float16, torch.bfloat16):
+            param.data = param.data.to(torch.float32)
+
+
 def parameter_count(model: torch.nn.Module) -> int:
     """Parameters as the unquantised model has them (a 4-bit weight packs two per stored byte)."""
     quantized = [m for m in model.modules() if isinstance(m, Linear4bitModel)]
@@ -318,4 +328,5 @@ __all__ = [
     "cuda_sdpa_backend",
     "parameter_count",
     "quantize_base_4bit",
+    "upcast_for_kbit_training",
 ]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from llmtune.memory.kernels import AdamW8bitModel, quantize_base_4bit
+from llmtune.memory.kernels import AdamW8bitModel, quantize_base_4bit, upcast_for_kbit_training
 from llmtune.memory.settings import Settings
 from llmtune.model import peft_quietly
 from llmtune.objectives import Objective, objective_named
@@ -77,6 +77,7 @@ def build_model(config: Any, s: Settings) -> torch.nn.Module:
         torch.nn.Module.to = move
     if lora.method == "qlora":
         quantize_base_4bit(model, torch.float16 if s.precision == "fp16" else torch.bfloat16)
+        upcast_for_kbit_training(model)
     return model
 
 
