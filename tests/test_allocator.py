@@ -34,3 +34,12 @@ def test_a_step_repeated_reserves_nothing_more():
     step = [(10, 30 * MiB), (11, 3 * MiB), (10, 0), (12, 25 * MiB), (11, 0), (12, 0)]
     once = reserved_peak(step, expandable_segments=False)
     assert reserved_peak(step * 3, expandable_segments=False) == once
+
+
+def test_expandable_segments_split_a_block_whenever_a_minimum_block_remains():
+    # CUDACachingAllocator.cpp `should_split`: under expandable segments any pool splits when >= 512 B remain (fixed
+    # large segments only when > 1 MiB does). A and B fill one 20 MiB page but its last 0.5 MiB, which stays a free
+    # block at the segment's end; C (20.25 MiB) grows that tail by one page. Unsplit, B would hold the 0.5 MiB and C
+    # would need two pages of its own: 60 MiB.
+    events = [(1, 10 * MiB), (2, 19 * MiB // 2), (3, 81 * MiB // 4)]
+    assert reserved_peak(events, expandable_segments=True) == (40 * MiB, 159 * MiB // 4)

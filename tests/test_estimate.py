@@ -110,3 +110,131 @@ def test_a_model_without_sdpa_is_planned_with_eager_attention(tmp_path, capsys, 
     assert main(["estimate", "--model", str(tmp_path), "--gpu", "l4", "--seq-len", "64", "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)["estimate"]["settings"]["attn_implementation"]
     assert planned == ("sdpa" if Gemma2PreTrainedModel._supports_sdpa else "eager")
+
+
+# ---------------------------------------------------------------- `--recipe` reads the recipe's data
+
+
+@pytest.fixture(scope="module")
+def wide_vocab_model(tmp_path_factory) -> Path:
+    """The tiny model with a 32,000-token vocabulary (ids past the tokenizer's never occur): its logits weigh enough
+    at the peak for the data's trained share to move the plan (the tiny model's 400 do not)."""
+    from conftest import write_tiny_model
+
+    folder = write_tiny_model(tmp_path_factory.mktemp("wide_vocab"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"vocab_size": 32_000}))
+    return folder
+
+
+def _estimate_json(capsys, recipe: Path, *args: str) -> dict:
+    assert main(["estimate", "--recipe", str(recipe), "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _wide_recipe(tmp_path: Path, model: Path, data: Path, **overrides) -> Path:
+    from conftest import write_recipe
+
+    settings = {"training__micro_batch_size": "auto", "training__loss": "chunked"} | overrides
+    return write_recipe(tmp_path / "recipe.yaml", model, data, **settings)
+
+
+@pytest.fixture
+def peaks(tmp_path, capsys, wide_vocab_model, tiny_data) -> dict[str, int]:
+    """The predicted peaks of micro-batch 2 with the data's trained share (~58% of a row) and with every token
+    trained, and a budget between them: with the data micro-batch 2 fits, without only 1 (4 and 8 fit in neither:
+    the time model would rank them within ~2% of each other, a measured rate's noise)."""
+    recipe = _wide_recipe(tmp_path, wide_vocab_model, tiny_data, training__micro_batch_size=2)
+    cpu = ["--device", "cpu", "--device-memory", "1GiB"]
+    with_data = _estimate_json(capsys, recipe, *cpu)["predicted_peak_bytes"]
+    bound = _estimate_json(capsys, recipe, *cpu, "--no-data")["predicted_peak_bytes"]
+    return {"with_data": with_data, "bound": bound, "budget": (with_data + bound) // 2}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="training would plan for the GPU, the budget is a CPU's")
+def test_estimate_plans_what_training_plans_on_the_recipes_data(tmp_path, capsys, wide_vocab_model, tiny_data, peaks):
+    """It used to plan every token as trained (1.0) where training plans the data's densest row: +8% at the median
+    of real runs. Training's plan is `build`'s (its `plan_run`, before any step)."""
+    from llmtune.recipe import load_recipe
+    from llmtune.train import build
+
+    recipe = _wide_recipe(tmp_path, wide_vocab_model, tiny_data, memory__budget=str(peaks["budget"]))
+    estimated = _estimate_json(capsys, recipe)
+    run = build(load_recipe(recipe))
+    assert estimated["micro_batch_size"] == run.plan.micro_batch_size == 2
+    assert estimated["grad_accum_steps"] == run.plan.grad_accum_steps
+    assert estimated["checkpointing"] == run.plan.state()["checkpointing"]
+    assert estimated["predicted_peak_bytes"] == run.plan.predicted_peak_bytes == peaks["with_data"]
+    data = estimated["data"]
+    assert data["read"] and data["whole"] and data["rows_read"] == 96
+    assert data["trained_fraction"] == data["max_trained_fraction"] == run.data.stats.max_trained_fraction < 1
+    assert data["trained_fraction_from"] == "the data"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the budget is a CPU's")
+def test_no_data_plans_the_bound_as_estimate_did_before(tmp_path, capsys, wide_vocab_model, tiny_data, peaks):
+    from llmtune.model import resolve_config
+    from llmtune.planning import plan_recipe
+    from llmtune.recipe import load_recipe
+
+    assert peaks["bound"] > peaks["with_data"]  # the same micro-batch
+    recipe = _wide_recipe(tmp_path, wide_vocab_model, tiny_data, memory__budget=str(peaks["budget"]))
+    with_data = _estimate_json(capsys, recipe)
+    bound = _estimate_json(capsys, recipe, "--no-data")
+    assert bound["data"] == {
+        "read": False, "why": "--no-data", "trained_fraction": 1.0, "trained_fraction_from": "the bound"
+    }  # fmt: skip
+    assert (bound["micro_batch_size"], with_data["micro_batch_size"]) == (1, 2)
+    before, _ = plan_recipe(  # the call `llmtune estimate` made before it read data: no trained_fraction
+        load_recipe(recipe), resolve_config(str(wide_vocab_model)), device="cpu", budget_bytes=peaks["budget"],
+        num_processes=1,
+    )  # fmt: skip
+    assert (bound["micro_batch_size"], bound["predicted_peak_bytes"]) == (
+        before.micro_batch_size,
+        before.predicted_peak_bytes,
+    )
+    assert main(["estimate", "--recipe", str(recipe), "--no-data"]) == 0
+    assert "data: not read (--no-data): planned with 100.0% of each row's tokens trained" in capsys.readouterr().out
+
+
+def test_unreadable_data_is_said_and_planned_as_the_bound(tmp_path, capsys, tiny_model_dir):
+    """The plan does not need the data to exist (a card is sized before the data is written, on a machine without
+    it): the reason is printed and the bound planned, exit 0. `llmtune data` and `train` refuse such data (exit 2)."""
+    from conftest import write_recipe
+
+    missing = tmp_path / "not-written-yet.jsonl"
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_model_dir, missing, training__micro_batch_size="auto")
+    cpu = ["--device", "cpu", "--device-memory", "1GiB"]
+    assert main(["estimate", "--recipe", str(recipe), *cpu]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("data: "))
+    assert line == f"data: not read ({missing}: no such file or folder): planned with 100.0% of each row's tokens " \
+        "trained (every token, the bound)"  # fmt: skip
+    unread, bound = _estimate_json(capsys, recipe, *cpu), _estimate_json(capsys, recipe, *cpu, "--no-data")
+    assert unread["data"]["read"] is False and unread["data"]["trained_fraction"] == 1.0
+    assert unread["predicted_peak_bytes"] == bound["predicted_peak_bytes"]
+
+
+def test_a_hub_dataset_out_of_reach_is_not_waited_for(tmp_path, capsys, tiny_model_dir, monkeypatch):
+    """Offline, the hub's client retries for a minute and more before it fails: the estimate asks once, briefly,
+    and plans the bound. The hub here is a local port nobody listens on (tests never reach the real one)."""
+    import socket
+
+    from conftest import write_recipe
+    from huggingface_hub import constants
+
+    with socket.socket() as s:  # a port free now, closed when the estimate knocks
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_model_dir, "nobody-here/no-such-dataset")
+    data = _estimate_json(capsys, recipe, "--device", "cpu", "--device-memory", "1GiB")["data"]
+    assert data["read"] is False and data["why"].startswith("nobody-here/no-such-dataset: ")
+
+
+def test_model_without_recipe_reads_no_data(capsys, tiny_model_dir):
+    args = ["estimate", "--model", str(tiny_model_dir), "--gpu", "l4", "--seq-len", "64"]
+    assert main([*args, "--json"]) == 0
+    assert "data" not in json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    assert "data:" not in capsys.readouterr().out

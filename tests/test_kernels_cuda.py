@@ -171,3 +171,18 @@ def test_attention_flops_with_grouped_query_heads_are_those_at_the_query_heads()
     mha = flops(8)
     assert flops(2) == mha
     assert mha[0] == 2 * (2 * 2 * 8 * 64 * 32 * 64)  # scores and output: two (64 x 32) @ (32 x 64) per batch and head
+
+
+def test_a_cuda_step_holds_two_cublas_workspaces_in_the_caching_allocator():
+    """CublasHandlePool.cpp: a workspace per (cuBLAS handle, stream), from the caching allocator, 32 MiB on sm90+
+    (`:4096:8`); one handle for the forward's thread and one for autograd's backward thread. A CPU step has none."""
+    from test_memory import tiny_config
+
+    from llmtune.memory import estimate
+
+    kw = dict(micro_batch_size=2, seq_len=32, precision="bf16", gradient_checkpointing=False)
+    cuda, cpu = estimate(tiny_config("llama"), device="cuda", **kw), estimate(tiny_config("llama"), device="cpu", **kw)
+    assert cuda.breakdown["cublas_workspaces"] == 2 * 4096 * 1024 * 8
+    assert "cublas_workspaces" not in cpu.breakdown
+    assert cuda.peak_bytes == sum(cuda.breakdown.values()) and cuda.reserved_bytes >= cuda.peak_bytes
+    assert cuda.scaled_peak(1.0) == cuda.reserved_bytes  # the workspaces do not grow with the tokens

@@ -27,10 +27,10 @@ def load_source(src: SourceConfig) -> datasets.Dataset:
             ds = _load_file(path)
         elif path.is_dir():
             ds = _load_folder(path, src.split)
-        elif path.exists() or src.path.startswith((".", "/", "~")) or Path(src.path).suffix in FILE_BUILDERS:
-            raise DataError(f"{src.path}: no such file or folder")
-        else:
+        elif on_hub(src.path):
             ds = datasets.load_dataset(src.path, src.subset, split=src.split)
+        else:
+            raise DataError(f"{src.path}: no such file or folder")
     except DataError:
         raise
     except Exception as err:  # datasets raises many types; each one means the same thing here
@@ -38,6 +38,13 @@ def load_source(src: SourceConfig) -> datasets.Dataset:
     if len(ds) == 0:
         raise DataError(f"{src.path}: row 1: no rows (empty file or split {src.split!r})")
     return ds
+
+
+def on_hub(name: str) -> bool:
+    """Whether `load_source` reads `name` from the hub: no local file or folder, and not shaped like a local path
+    (./x, /x, ~/x, or a data file's extension: those are refused as missing without asking the hub)."""
+    path = Path(name).expanduser()
+    return not path.exists() and not name.startswith((".", "/", "~")) and path.suffix not in FILE_BUILDERS
 
 
 def _load_file(path: Path) -> datasets.Dataset:

@@ -48,8 +48,11 @@ def prepare_data(
     *,
     seed: int,
     main_process_first: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    first_rows: int | None = None,
 ) -> PreparedData:
-    """Load, render, mask, split, mix and pack the recipe's data. Raises DataError for bad data."""
+    """Load, render, mask, split, mix and pack the recipe's data. Raises DataError for bad data.
+
+    `first_rows`: only the first rows of each source, prepared as all of them would be (`llmtune estimate`)."""
     if not cfg.train:
         raise DataError("data.train: no training source given")
     if tokenizer.eos_token_id is None:
@@ -59,8 +62,8 @@ def prepare_data(
 
     # The cached work (reading, tokenising, the length policy); the rest is cheap and in memory.
     with main_process_first():
-        train_parts = [tokenise_source(src, cfg, tokenizer) for src in cfg.train]
-        eval_parts = [tokenise_source(src, cfg, tokenizer) for src in cfg.eval]
+        train_parts = [tokenise_source(src, cfg, tokenizer, first_rows) for src in cfg.train]
+        eval_parts = [tokenise_source(src, cfg, tokenizer, first_rows) for src in cfg.eval]
 
     held_out: list[datasets.Dataset] = []
     if not cfg.eval and cfg.eval_fraction > 0:

@@ -48,9 +48,14 @@ class TokenisedSource:
     layout: str  # how its prompts reach the model (data.render.prompt_layout)
 
 
-def tokenise_source(src: SourceConfig, cfg: DataConfig, tokenizer: Any) -> TokenisedSource:
-    """Load, validate, render and length-police one source (the cached, expensive part of preparing data)."""
+def tokenise_source(
+    src: SourceConfig, cfg: DataConfig, tokenizer: Any, first_rows: int | None = None
+) -> TokenisedSource:
+    """Load, validate, render and length-police one source (the cached, expensive part of preparing data); only its
+    first `first_rows` rows where given (`llmtune estimate`'s sample; training reads every row)."""
     raw = load_source(src)
+    if first_rows is not None and len(raw) > first_rows:
+        raw = raw.select(range(first_rows))
     columns = resolve_columns(src, raw.column_names)
     tokenised = raw.map(
         tokenise_row,

@@ -8,7 +8,8 @@ freed, in order) through a model of c10/cuda/CUDACachingAllocator.cpp (PyTorch 2
 - sizes round up to 512 bytes; requests up to 1 MiB come from the small pool, larger ones from the large;
 - without expandable segments, a request that no cached free block fits gets a new segment: 2 MiB for the
   small pool, 20 MiB for requests under 10 MiB, otherwise the request rounded up to 2 MiB. The best-fitting
-  (smallest) free block is used and split when the rest is >= 512 bytes (small) or > 1 MiB (large); freed
+  (smallest) free block is used and split when the rest is >= 512 bytes (small, or any pool with expandable
+  segments) or > 1 MiB (large); freed
   blocks merge with free neighbours of the same segment; segments are never returned (no empty_cache);
 - with expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, llmtune's default on CUDA)
   each pool is one segment whose end grows by pages of 2 MiB (small) or 20 MiB (large), and a free block at
@@ -57,7 +58,9 @@ class _Pool:
         return LARGE_BUFFER if n < MIN_LARGE_ALLOC else _round_up(n, ROUND_LARGE)
 
     def _split_ok(self, rest: int) -> bool:
-        return rest >= MIN_BLOCK if self.small else rest > SMALL_SIZE
+        # CUDACachingAllocator.cpp `should_split`: the small pool, and every pool under expandable segments, split
+        # whenever a minimum block remains; the large pool of fixed segments only when more than 1 MiB does.
+        return rest >= MIN_BLOCK if self.small or self.expandable else rest > SMALL_SIZE
 
     def _add_free(self, seg: int, off: int, size: int) -> None:
         self.blocks[seg][off] = (size, True)

@@ -18,8 +18,8 @@ def default_budget(device: str | torch.device = "cuda") -> int:
 
     CUDA: free memory from `mem_get_info` (the CUDA context, already created by that call, is
     outside it) less 10% of the card + 512 MiB, because the estimate is of
-    the caching allocator's reserved bytes (`allocator.reserved_peak`), which leave out the cuBLAS
-    workspace and NCCL buffers, and model the allocator without several streams or its retry.
+    the caching allocator's reserved bytes (`allocator.reserved_peak`), which leave out NCCL's buffers, and
+    model the allocator without several streams or its retry.
     CPU: MemAvailable less max(1 GiB, 10%): live tensor bytes leave out Python objects, the
     data pipeline, malloc fragmentation, and whatever else the machine runs meanwhile.
     """

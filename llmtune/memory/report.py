@@ -32,8 +32,8 @@ def format_plan(plan: BatchPlan, title: str) -> str:
         + ("" if plan.fits else ": DOES NOT FIT")
         + (
             f" (reserved by the caching allocator, {format_bytes(e.peak_bytes)} of it in live tensors,"
-            f" expandable segments {'on' if s['expandable_segments'] else 'off'}; the CUDA context and"
-            " cuBLAS/NCCL workspaces are outside it)"
+            f" expandable segments {'on' if s['expandable_segments'] else 'off'}, with the cuBLAS workspaces; the"
+            " CUDA context and NCCL's buffers are outside it)"
             if s["device"] == "cuda"
             else " (live tensors only: Python objects and the data pipeline are outside it)"
         ),
