@@ -190,7 +190,9 @@ def labelled_logps(
         )
     else:  # the model's own logits (full N x V, fp32): models whose logits the chunked path does not reproduce
         logits = model(**inputs, use_cache=False).logits
-        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows).float() / temperature
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows).float()
+        if temperature != 1.0:  # a pass over N x V logits and a transient their size: only where it changes them
+            logits = logits / temperature
         logps = logits.log_softmax(-1).gather(1, targets[rows].unsqueeze(1)).squeeze(1)
     return logps, rows
 

@@ -604,3 +604,34 @@ def test_a_budget_on_the_device_cuda_without_an_index_caps_the_current_gpu(monke
     with PeakMemoryTracker("cuda", limit_bytes=2 * 2**30):
         pass
     assert capped == [(0.25, 0), (1.0, 0)]  # a quarter of the card, then the cap lifted
+
+
+def test_dpo_without_its_reference_is_refused_naming_the_references() -> None:
+    """An estimate of DPO with no reference forward has nothing to run (it failed deep in the trace, a TypeError)."""
+    kw = dict(micro_batch_size=1, seq_len=32, precision="fp32", gradient_checkpointing=False, objective="dpo")
+    with pytest.raises(ValueError, match="objective dpo needs its reference: 'adapter_disabled'"):
+        estimate(tiny_config("llama"), **kw)
+
+
+def test_preference_log_probs_at_temperature_one_leave_the_logits_as_they_are() -> None:
+    """GRPO scores its samples at the sampling temperature; at 1.0 (every preference objective) the logits must not
+    be divided: a pass over N x V fp32 logits and a transient their size (it cost ORPO and SimPO 2 ops and ~1 MB of
+    traffic on a toy step)."""
+    from llmtune.preference import labelled_logps
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    batch = {"input_ids": torch.zeros((1, 8), dtype=torch.long), "labels": torch.zeros((1, 8), dtype=torch.long)}
+    seen = []
+
+    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        labelled_logps(model, "hf", 64, batch)
+    assert torch.ops.aten.div.Tensor not in seen
+    seen.clear()
+    with Ops():
+        labelled_logps(model, "hf", 64, batch, temperature=0.7)
+    assert torch.ops.aten.div.Tensor in seen

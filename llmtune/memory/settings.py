@@ -86,6 +86,8 @@ def _validate(s: Settings) -> None:
         raise ValueError("micro_batch_size must be >= 1 and seq_len >= 2")
     if not 0 < s.trained_fraction <= 1:
         raise ValueError(f"trained_fraction={s.trained_fraction}; expected 0 < f <= 1")
+    if s.objective == "dpo" and s.reference == "none":
+        raise ValueError("objective dpo needs its reference: 'adapter_disabled' (LoRA), 'copy' or 'precomputed'")
     if s.objective == "grpo" and s.layout != "padded":
         raise ValueError("objective grpo trains its completions in padded rows (one prompt + completion a row)")
     if s.checkpointing.offload and not s.checkpointing.enabled:
