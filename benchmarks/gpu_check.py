@@ -35,6 +35,10 @@ Sections (in this order; the memory matrix last, as it takes the time that is le
   checkpointing at three budgets; the time model against every candidate.
 - throughput: llmtune vs the HF Trainer (benchmarks/vs_hf.py) at identical settings and with each
   tool's defaults: tokens/s, peak memory, MFU against the datasheet peak.
+- cuda_kernels (CUDA): Llama-3.1-8B cut to 4 layers, LoRA, the estimate (peak and reserved)
+  against a steady step's max_memory_allocated / max_memory_reserved on three kernel paths: memory-efficient SDPA
+  on packed rows (2 x 4096, bf16, block mask), flash SDPA with GQA (1 x 4096 full rows, bf16), QLoRA bf16-true
+  (1 x 2048, every layer checkpointed; skipped without bitsandbytes).
 - memory: the estimate against the measured peak (CUDA: max_memory_allocated and max_memory_reserved; CPU:
   live tensor bytes) over model x precision (bf16 mixed, bf16-true, fp16) x checkpointing x LoRA x
   packed/padded rows x attention (sdpa; flash-attention-2 if importable); median, worst, most-under.
@@ -103,7 +107,7 @@ FULL = Size(
     max_length=1024, micro=4, planner_global=16, vocab=32000,
     boxes={"env": 30, "fp16": 40, "bf16_true": 40, "resume": 50, "memory": 300, "planner": 75, "planner_v2": 90,
            "throughput": 90, "fsdp2": 70, "deepspeed_zero3": 70, "gpu_tests": 60, "dpo_reference": 40, "fsdp2_dpo": 70,
-           "generate_chat": 30, "qlora": 40, "grpo": 60},
+           "generate_chat": 30, "qlora": 40, "grpo": 60, "cuda_kernels": 90},
 )  # fmt: skip
 TINY = Size(
     # Boxes only bound a stuck CI run (a verdict must not depend on the host's speed): a 2-core machine ran this in
@@ -482,19 +486,24 @@ def section_memory(ctx: Ctx, out: dict) -> None:
 
 
 def memory_case(ctx: Ctx, case: dict) -> dict:
-    release()
-    leftover = torch.cuda.memory_allocated() if ctx.cuda else 0
     data = ctx.data["short" if case["packed"] else "long"]
     recipe = ctx.recipe(
         case["model"], precision=case["precision"], gradient_checkpointing=case["checkpointing"],
         peft__method="lora" if case["lora"] else "none", model__attn_implementation=case["attn"],
         data__packing=case["packed"], data__train=[{"path": str(data), "format": "text"}],
     )  # fmt: skip
+    return estimate_vs_measured(ctx, recipe, micro=ctx.size.micro)
+
+
+def estimate_vs_measured(ctx: Ctx, recipe: dict, *, micro: int) -> dict:
+    """The estimate for `recipe` at the width its rows take against its steady peak (allocated and reserved)."""
+    release()
+    leftover = torch.cuda.memory_allocated() if ctx.cuda else 0
     run = build_run(recipe, ctx.tmp)
     steps = [examples(run, s) for s in range(2)]
     peak, reserved, oom = steady_peak(run, steps)
     width = max(len(e["input_ids"]) for s in steps[1:] for e in s)
-    est = estimate_for(run, micro=ctx.size.micro, seq_len=width)
+    est = estimate_for(run, micro=micro, seq_len=width)
     measured = peak - leftover  # on CUDA the allocator counts everything, earlier cases' leftovers too
     return {
         "seq_len": width, "estimate_bytes": est.peak_bytes, "estimate_phase": est.peak_phase,
@@ -816,6 +825,77 @@ def section_qlora(ctx: Ctx, out: dict) -> None:
     release()
 
 
+def kernel_cases(ctx: Ctx) -> list[dict]:
+    """The three CUDA kernel paths the estimator models from their sources (llmtune/memory/kernels.py), on the
+    Llama-3.1-8B shape cut to 4 layers (a 2-layer toy for a CPU dry run)."""
+    model, n = ("llama-1b-shape-tiny", ctx.size.max_length) if ctx.tiny else ("llama-3.1-8b-4layers", 4096)
+    return [
+        # memory-efficient SDPA: packed rows carry transformers' bool block mask, kept as an additive bias per layer
+        dict(name="sdpa_mem_efficient_packed", model=model, seq=n, micro=2, packed=True, precision="bf16",
+             peft="lora", checkpointing=False),
+        # flash SDPA: full-length rows, no padding so no mask; GQA (32 query / 8 KV heads): dk/dv at query heads
+        dict(name="sdpa_flash_gqa", model=model, seq=n, micro=1, packed=False, precision="bf16", peft="lora",
+             checkpointing=False),
+        # QLoRA: prepare_model_for_kbit_training upcasts the non-4-bit parameters to fp32
+        dict(name="qlora_bf16_true", model=model, seq=n // 2, micro=1, packed=False, precision="bf16-true",
+             peft="qlora", checkpointing=True),
+    ]  # fmt: skip
+
+
+def section_cuda_kernels(ctx: Ctx, out: dict) -> None:
+    """The estimate (peak, reserved) against a real step's steady max_memory_allocated / max_memory_reserved."""
+    out["rows"], out["failed"], out["skipped"] = rows, failed, skipped = [], [], []
+    for case in kernel_cases(ctx):
+        ctx.check_time()
+        if case["peft"] == "qlora" and not importlib.util.find_spec("bitsandbytes"):
+            skipped.append(f"{case['name']} (bitsandbytes is not installed)")
+            continue
+        try:
+            rows.append({**case, **kernel_case(ctx, case)})
+        except SectionTimeout:
+            raise
+        except Exception:  # one kernel path's failure is a result, not the end
+            failed.append({**case, "error": traceback.format_exc(limit=4)[-1500:]})
+    out["ok"] = bool(rows) and not failed and all(abs(r["error"]) <= TARGETS["memory_worst_abs_error"] for r in rows)
+
+
+def full_length_rows(ctx: Ctx) -> Path:
+    """Rows of at least 4 x (max_length + 16) words: each fills any sequence length these cases ask for."""
+    path = ctx.tmp / "full-length.jsonl"
+    if not path.exists():
+        texts = [json.loads(line)["text"] for line in ctx.data["long"].read_text().splitlines()]
+        joined = [" ".join(texts[i : i + 4]) for i in range(0, len(texts), 4)]
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in joined))
+    return path
+
+
+def kernel_case(ctx: Ctx, case: dict) -> dict:
+    data = ctx.data["short"] if case["packed"] else full_length_rows(ctx)
+    recipe = ctx.recipe(
+        case["model"], precision=case["precision"], gradient_checkpointing=case["checkpointing"],
+        peft__method=case["peft"], data__packing=case["packed"], data__max_length=case["seq"],
+        data__train=[{"path": str(data), "format": "text"}], micro_batch_size=case["micro"],
+        global_batch_size=case["micro"],
+    )  # fmt: skip
+    if case["peft"] == "qlora":  # bitsandbytes quantizes at from_pretrained: load seeded random weights from disk
+        recipe["model"].update(name_or_path=str(saved_random(ctx, case["model"])), random_init=False)
+    return estimate_vs_measured(ctx, recipe, micro=case["micro"])
+
+
+def saved_random(ctx: Ctx, model: str) -> Path:
+    """`model`'s config with seeded random bf16 weights, saved beside its tokenizer (once)."""
+    folder = ctx.tmp / f"{model}-weights"
+    if not folder.is_dir():
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(0)
+        with torch.device(ctx.device):
+            config = AutoConfig.from_pretrained(ctx.models[model])
+            AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(ctx.models[model]).save_pretrained(folder)
+    return folder
+
+
 def no_cuda(why: str = "") -> Callable[[Ctx], str | None]:
     return lambda ctx: None if ctx.cuda else f"no CUDA{why}"
 
@@ -841,6 +921,7 @@ SECTIONS: dict[str, tuple[Callable[[Ctx, dict], None], Callable[[Ctx], str | Non
     "planner": (section_planner, lambda ctx: None),
     "planner_v2": (section_planner_v2, lambda ctx: None),
     "throughput": (section_throughput, lambda ctx: None),
+    "cuda_kernels": (section_cuda_kernels, no_cuda(" (the CUDA kernels' memory paths)")),
     "memory": (section_memory, lambda ctx: None),
 }
 

@@ -1,5 +1,5 @@
 """The GPU check's report: gpu-<date>.md from the results benchmarks/gpu_check.py writes, one line per section
-and a table for each measurement (memory, planner, planner v2, throughput)."""
+and a table for each measurement (memory, CUDA kernel paths, planner, planner v2, throughput)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,16 @@ def markdown(results: dict) -> str:
               fmt_bytes(r["measured_bytes"]), pct(r["error"]), fmt_bytes(r["reserved_bytes"]),
               pct(r["error_vs_reserved"])] for r in s["memory"]["rows"]],
         )  # fmt: skip
+    if s.get("cuda_kernels", {}).get("rows"):
+        lines += ["", "## CUDA kernel paths: estimate vs measured peak (Llama-3.1-8B, 4 layers)", ""]
+        lines += table(
+            ["case", "precision", "PEFT", "ckpt", "rows", "estimate", "allocated", "error", "estimate reserved",
+             "reserved", "error vs reserved"],
+            [[r["name"], r["precision"], r["peft"], ckpt_word(r["checkpointing"]), f"{r['micro']} x {r['seq_len']}",
+              fmt_bytes(r["estimate_bytes"]), fmt_bytes(r["measured_bytes"]), pct(r["error"]),
+              fmt_bytes(r["estimate_reserved_bytes"]), fmt_bytes(r["reserved_bytes"]), pct(r["error_vs_reserved"])]
+             for r in s["cuda_kernels"]["rows"]],
+        )  # fmt: skip
     if s.get("planner", {}).get("rows"):
         lines += ["", "## Planner (budget enforced as a hard limit)", ""]
         lines += table(
@@ -89,6 +99,11 @@ def headline(name: str, sec: dict) -> str:
         peak = sec["mfu_peak"]
         return f"{sec['device']}, torch {sec['versions']['torch']}; MFU peak {peak['flops'] / 1e12:.1f} TFLOP/s" + (
             f" ({peak['source']}); matmul {sec['measured_matmul']['flops'] / 1e12:.1f}"
+        )
+    if name == "cuda_kernels":
+        errors = ", ".join(f"{r['name']} {pct(r['error'])}" for r in sec["rows"])
+        return f"estimate vs allocated: {errors or 'no cases'}; {len(sec['failed'])} failed; skipped: " + (
+            ", ".join(sec["skipped"]) or "none"
         )
     if name == "planner":
         return f"{len(sec['rows'])} budgets, {sec['ooms']} OOMs, {len(sec['failed'])} failed"

@@ -14,7 +14,7 @@ CPU_SECTIONS = (
     "env", "bf16_true", "resume", "dpo_reference", "generate_chat", "grpo", "planner", "planner_v2", "throughput",
     "memory",
 )  # fmt: skip
-CUDA_SECTIONS = ("fp16", "gpu_tests", "fsdp2", "deepspeed_zero3", "fsdp2_dpo", "qlora")
+CUDA_SECTIONS = ("fp16", "gpu_tests", "fsdp2", "deepspeed_zero3", "fsdp2_dpo", "qlora", "cuda_kernels")
 
 
 @pytest.mark.slow
