@@ -239,7 +239,7 @@ def _print_estimate(plan: Any, target: Any, name: str, data: dict[str, Any] | No
 
 # `_planned_share`'s whence -> its words in the plan's data line.
 _SHARE_FROM = {
-    "the data": "--no-data: every token, the bound",
+    "the data": "the data's densest row; --no-data would plan every token, the bound",
     "the bound": "every token, the bound",
     "grpo's completions": "grpo: each row's completion, whatever the data",
 }
