@@ -97,22 +97,19 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from llmtune.model import resolve_config
-    from llmtune.planning import plan_recipe
+    from llmtune.planning import format_engines, plan_recipe
+    from llmtune.units import parse_bytes
 
     recipe, target = _estimate_target(args)
     model = recipe.model
     config = resolve_config(args.config or model.name_or_path, revision=model.revision)
     fraction, data = _plan_data(recipe, args) if args.recipe else (1.0, None)
-    plan, settings = plan_recipe(
-        recipe,
-        config,
-        device=target.device,
-        budget_bytes=target.budget_bytes,
-        num_processes=args.num_processes,
-        sharding=args.sharding,
-        trained_fraction=fraction,
-        gpu=args.gpu,
-    )
+    where = dict(device=target.device, budget_bytes=target.budget_bytes, num_processes=args.num_processes)
+    if args.host_memory:  # a node's, shared by its processes (at most 8 GPUs a node)
+        where["host_bytes"] = parse_bytes(args.host_memory) // min(args.num_processes, 8)
+    engines = _ranked_engines(recipe, config, args, where | dict(trained_fraction=fraction, gpu=args.gpu))
+    sharding = engines[0].sharding if engines else "none" if args.sharding == "auto" else args.sharding
+    plan, settings = plan_recipe(recipe, config, **where, sharding=sharding, trained_fraction=fraction, gpu=args.gpu)
     if data is not None:
         data |= _planned_share(data, settings["trained_fraction"], recipe.training.objective)
     if args.plot:
@@ -121,10 +118,29 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         plot_estimate(plan, f"{model.name_or_path}: memory against speed", args.plot)
     if args.json:
         facts = {"device": target.device, "budget_from": target.why} | ({"data": data} if data else {})
-        print(json.dumps(plan.to_dict() | facts))
+        ranked = {"engines": [c.to_dict() for c in engines]} if engines else {}
+        print(json.dumps(plan.to_dict() | facts | ranked))
     else:
         _print_estimate(plan, target, model.name_or_path, data, args.plot)
+        if engines:
+            print("\n".join(format_engines(engines)))
     return 0
+
+
+def _ranked_engines(recipe: Any, config: Any, args: argparse.Namespace, kwargs: dict[str, Any]) -> list[Any]:
+    """`--sharding auto` over several processes: every engine's plan, fastest that fits first (`plan_engines`); the
+    error of each where none fits. Otherwise none: the flag's engine is planned alone."""
+    from llmtune.memory import MemoryPlanError
+    from llmtune.planning import plan_engines
+
+    if args.sharding != "auto" or args.num_processes < 2:
+        return []
+    engines = plan_engines(recipe, config, **kwargs)
+    if engines[0].plan is None:
+        raise MemoryPlanError(
+            f"no engine fits {args.num_processes} processes: " + "; ".join(f"{c.engine}: {c.why}" for c in engines)
+        )
+    return engines
 
 
 def _estimate_target(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -337,7 +353,17 @@ def _estimate_args(p: argparse.ArgumentParser) -> None:
     where.add_argument("--gpu", help=f"plan for a known card: {', '.join(GPUS)}")
     p.add_argument("--device", choices=["cuda", "cpu"], help="the kind of device (default: this machine's)")
     p.add_argument("--num-processes", type=_positive_int, default=1, help="processes (GPUs) the run will use")
-    p.add_argument("--sharding", choices=["none", "fsdp", "zero2", "zero3"], default="none")
+    p.add_argument(
+        "--sharding",
+        choices=["auto", "none", "fsdp", "fsdp_no_reshard", "zero2", "zero3"],
+        default="auto",
+        help="the engine's sharding (none: DDP; fsdp: FSDP2; fsdp_no_reshard: FSDP2 keeping blocks gathered to"
+        " backward; zero2/zero3: DeepSpeed); auto: with several processes, plan each and take the fastest that fits",
+    )
+    p.add_argument(
+        "--host-memory",
+        help="a node's host memory, e.g. 256GiB: activation offloading must pin no more (default: not checked)",
+    )
     p.add_argument("--config", help="with --recipe: a folder or file with the model's config.json")
     p.add_argument(
         "--no-data",

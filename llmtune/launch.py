@@ -28,6 +28,8 @@ def make_accelerator(recipe: Recipe, engine: parallel.Engine, objective: Objecti
     check_trackers(recipe.logging.report_to)
     if device_type == "cuda" and expandable_segments(recipe):
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")  # before the first allocation
+    # TF32 is process-wide: set before anything times a matmul (the planner's rates, the MFU's peak).
+    torch.backends.cuda.matmul.allow_tf32 = recipe.training.tf32
     precision, why = choose_precision(recipe.training.precision, device_type)
     mixed = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "no")
     launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")

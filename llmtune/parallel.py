@@ -115,6 +115,17 @@ def deepspeed_over_gloo() -> None:
 T = TypeVar("T")
 
 
+def reshards_after_forward() -> bool:
+    """FSDP2's blocks free their gathered weights after forward (the launcher's `fsdp_reshard_after_forward`, on by
+    default); off, each stays gathered from forward to backward: one all-gather fewer a step, for the memory."""
+    return os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() != "false"
+
+
+def sharding_of(engine: Engine) -> str:
+    """The memory estimator's name for the launched engine's sharding (`SHARDING`; FSDP2 as it reshards)."""
+    return "fsdp_no_reshard" if engine == "fsdp2" and not reshards_after_forward() else SHARDING[engine]
+
+
 def decided_by_main(acc: Accelerator, decide: Callable[[], T]) -> T:
     """`decide()` on the main process only, its result sent to every process: a decision that feeds a collective (a
     plan, a cache hit, a file's content) must not come from each process's own clock or disk."""
@@ -145,11 +156,9 @@ def shard_fsdp2(model: torch.nn.Module, precision: str) -> None:
         raise SetupError("training.precision=fp16 under FSDP2 is not supported; use bf16 (or fp32)")
     compute = weights_dtype("fsdp2", precision)
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
-    # fsdp_reshard_after_forward: false keeps each block gathered from forward to backward (ZeRO-2 like).
-    reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() != "false"
     blocks = decoder_blocks(model)
     for block in blocks:
-        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshards_after_forward())
     # The root keeps its parameters gathered after forward: backward needs them at once. Its float inputs stay as
     # given: the only ones are a preference batch's reference log-probs, which bf16 would round by up to ~0.5 (a
     # DPO logit off by beta x that); the blocks still cast what they take in.

@@ -7,18 +7,34 @@ finds for this launch; `shrink_plan` is what an out-of-memory error or a measure
 
 from __future__ import annotations
 
-from dataclasses import replace
+import logging
+import os
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llmtune.errors import RunFailed, UserError
 from llmtune.loss import resolve_loss_impl
-from llmtune.memory import BatchPlan, estimate_settings, plan_for_budget, plan_rates, resolve_budget
+from llmtune.memory import (
+    BatchPlan,
+    MemoryPlanError,
+    estimate_settings,
+    host_budget,
+    plan_for_budget,
+    plan_rates,
+    resolve_budget,
+)
+from llmtune.model import SetupError
 from llmtune.recipe import Recipe, checkpointing_of
+from llmtune.timing import Rates
+from llmtune.units import format_bytes
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
+
+log = logging.getLogger(__name__)
 
 
 class PlanError(UserError, ValueError):
@@ -40,18 +56,124 @@ def plan_recipe(
     sharding: str = "none",
     trained_fraction: float = 1.0,
     gpu: str | None = None,
+    rates: Rates | None = None,
+    host_bytes: int | None = None,
 ) -> tuple[BatchPlan, dict[str, Any]]:
     """The plan for `recipe` on `num_processes` devices of kind `device` with `budget_bytes` each, and the
-    estimator settings it was planned with (the training loop's, as `estimate_settings` derives them)."""
+    estimator settings it was planned with (the training loop's, as `estimate_settings` derives them). `rates`:
+    the time model's, where the caller has them (else `plan_rates`); `host_bytes`: the host memory a process may
+    pin for activation offloading (None: not known, not checked)."""
     loss = resolve_loss_impl(recipe.training.loss, config)
     settings = estimate_settings(
-        recipe, loss=loss, device=device, sharding=sharding, precision=precision, trained_fraction=trained_fraction
+        recipe,
+        loss=loss,
+        device=device,
+        sharding=sharding,
+        precision=precision,
+        trained_fraction=trained_fraction,
+        gpu=gpu,
     )
-    rates = plan_rates(device, settings["precision"], config, gpu=gpu)
+    rates = rates or plan_rates(device, settings["precision"], config, gpu=gpu, tf32=recipe.training.tf32)
     plan = plan_for_budget(
-        recipe, config, settings, budget_bytes=budget_bytes, num_processes=num_processes, rates=rates
+        recipe,
+        config,
+        settings,
+        budget_bytes=budget_bytes,
+        num_processes=num_processes,
+        rates=rates,
+        host_bytes=host_bytes,
     )
     return plan, settings
+
+
+# The engines the planner weighs for several processes, as the launcher's config names them, and the estimator's name
+# for each one's sharding.
+ENGINES: dict[str, str] = {
+    "ddp": "none",
+    "fsdp2": "fsdp",
+    "fsdp2 (fsdp_reshard_after_forward: false)": "fsdp_no_reshard",
+    "zero2": "zero2",
+    "zero3": "zero3",
+}
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """One engine's plan for a launch (None where nothing fits, or llmtune refuses the engine for the recipe: `why`)."""
+
+    engine: str
+    sharding: str
+    plan: BatchPlan | None
+    why: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.plan
+        return {
+            "engine": self.engine,
+            "sharding": self.sharding,
+            "fits": p is not None and p.fits,
+            "micro_batch_size": p.micro_batch_size if p else None,
+            "checkpointing": p.checkpointing.describe(p.estimate.settings["layers"]) if p and p.estimate else None,
+            "predicted_peak_bytes": p.predicted_peak_bytes if p else None,
+            "predicted_tokens_per_s": round(p.predicted_tokens_per_s, 1) if p and p.predicted_tokens_per_s else None,
+            "why": self.why,
+        }
+
+
+def plan_engines(recipe: Recipe, config: Any, *, device: str, num_processes: int, **kwargs: Any) -> list[EngineChoice]:
+    """Every engine's plan for `recipe` on `num_processes` devices (`plan_recipe`'s `kwargs`), fastest first by the
+    time model (its communication over the card's link included), those that do not fit or are refused last."""
+    from llmtune.launch import check_engine
+    from llmtune.objectives import objective_for
+
+    loss = resolve_loss_impl(recipe.training.loss, config)
+    precision = estimate_settings(recipe, loss=loss, device=device, precision=kwargs.get("precision"))["precision"]
+    rates = plan_rates(device, precision, config, gpu=kwargs.get("gpu"), tf32=recipe.training.tf32)
+    choices = []
+    for engine, sharding in ENGINES.items():
+        try:
+            check_engine(recipe, engine.split()[0], objective_for(recipe))
+            plan, _ = plan_recipe(
+                recipe, config, device=device, num_processes=num_processes, sharding=sharding, rates=rates, **kwargs
+            )
+            choices.append(EngineChoice(engine, sharding, plan, "" if plan.fits else "over the budget"))
+        except (MemoryPlanError, SetupError) as err:
+            choices.append(EngineChoice(engine, sharding, None, str(err)))
+    return sorted(choices, key=_engine_order)
+
+
+def _engine_order(c: EngineChoice) -> tuple[bool, float]:
+    fits = c.plan is not None and c.plan.fits
+    return (not fits, -(c.plan.predicted_tokens_per_s or 0.0) if fits else 0.0)
+
+
+def format_engines(choices: list[EngineChoice]) -> list[str]:
+    """The engines as `llmtune estimate` shows them: fastest first, the chosen marked, why the others were not."""
+    rows = [("engine", "micro", "checkpointing", "peak", "tokens/s", "")]
+    for i, c in enumerate(choices):
+        d = c.to_dict()
+        peak = format_bytes(d["predicted_peak_bytes"]) if d["predicted_peak_bytes"] else "-"
+        speed = f"{d['predicted_tokens_per_s']:,.0f}" if d["fits"] and d["predicted_tokens_per_s"] else "-"
+        why = "<- chosen" if i == 0 else c.why.split(". ")[0]
+        rows.append((c.engine, str(d["micro_batch_size"] or "-"), d["checkpointing"] or "-", peak, speed, why))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["", "engines (tokens/s a process; communication over the cards' link):"]
+    return lines + ["  " + "  ".join(f"{v:<{w}}" for v, w in zip(r, widths, strict=False)) + "  " + r[5] for r in rows]
+
+
+def engine_note(choices: list[EngineChoice], launched: str) -> str | None:
+    """What to tell a launch whose engine (`launched`: the estimator's sharding name) is not the fastest that fits;
+    None where it is, or where none fits."""
+    best = choices[0] if choices and choices[0].plan is not None and choices[0].plan.fits else None
+    if best is None or best.sharding == launched:
+        return None
+    ours = next((c for c in choices if c.sharding == launched), None)
+    speed = ours.plan.predicted_tokens_per_s if ours and ours.plan and ours.plan.fits else None
+    compared = f"{best.plan.predicted_tokens_per_s / speed:.2f}x" if speed else "where this launch's is over budget,"
+    return (
+        f"the planner would launch {best.engine}: predicted {best.plan.predicted_tokens_per_s:,.0f} tokens/s a"
+        f" process, {compared} this launch's engine's (`llmtune estimate --recipe R --num-processes N` ranks them)"
+    )
 
 
 def plan_run(
@@ -61,7 +183,7 @@ def plan_run(
     and the time model find within the budget (`plan_recipe`). grpo is planned against the budget either way: its
     generation rows (`BatchPlan.generation_rows`) are the planner's to choose, the step's fixed or not."""
     from llmtune.model import whole_model_init
-    from llmtune.parallel import SHARDING, decided_by_main
+    from llmtune.parallel import decided_by_main, sharding_of
 
     t, n = recipe.training, acc.num_processes
     per_process, rest = divmod(t.global_batch_size, n)
@@ -86,17 +208,18 @@ def plan_run(
         # it: the model's initialisation and the data order come after it.
         # whole_model_init: the models it builds are this process's alone; ZeRO-3's zero.Init would partition them
         # with collectives that the other processes, waiting for the plan, never join.
+        kwargs = dict(budget_bytes=budget, precision=precision, trained_fraction=trained_fraction)
+        if device == "cuda":  # offloading pins this host's memory, shared by the processes on it
+            kwargs["host_bytes"] = host_budget(int(os.environ.get("LOCAL_WORLD_SIZE", n)))
         with torch.random.fork_rng(devices=[acc.device] if acc.device.type == "cuda" else []), whole_model_init():
-            return plan_recipe(
-                recipe,
-                config,
-                device=device,
-                budget_bytes=budget,
-                num_processes=n,
-                precision=precision,
-                sharding=SHARDING[engine],
-                trained_fraction=trained_fraction,
-            )[0]
+            chosen = plan_recipe(recipe, config, device=device, num_processes=n, sharding=sharding_of(engine), **kwargs)
+            # Several GPUs: would another engine be faster? (On CPUs the processes' link is not known: not asked.)
+            if n > 1 and device == "cuda":
+                ranked = plan_engines(recipe, config, device=device, num_processes=n, **kwargs)
+                note = engine_note(ranked, sharding_of(engine))
+                if note:
+                    log.info(note)
+            return chosen[0]
 
     # The rates are timed on one process's clock and rank the candidates: each process timing its own could choose
     # another plan (a loaded host's clock differs) and wait in collectives the others never join.

@@ -149,6 +149,11 @@ class TrainingConfig:
         " else fp32; the setup log says which and why.",
         "auto",
     )
+    tf32: bool = doc(
+        "On CUDA (Ampere and newer), run fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32):"
+        " about 7x faster, with a 10-bit mantissa. Off by default, as in PyTorch; mixed precision's are 16-bit anyway.",
+        False,
+    )
     gradient_checkpointing: bool | Literal["auto", "selective"] | Checkpointing = doc(
         "Recompute activations in backward, saving memory for time. auto: the planner picks the fastest setting"
         " that fits the memory budget (with the micro-batch); true / false: every layer / none; selective: every"

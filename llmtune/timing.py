@@ -28,6 +28,14 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from llmtune.catalogue import (
+    datasheet_bandwidth,
+    datasheet_fp32_flops,
+    datasheet_host_link,
+    datasheet_peak_flops,
+    datasheet_peer_link,
+)
+
 # Fractions of the datasheet a training step reaches on a GPU: large bf16 matmuls run at 60-75% of the dense
 # peak, streaming element-wise kernels at ~80% of HBM bandwidth; a kernel launch from eager PyTorch costs
 # ~10 us of host time, hidden behind the GPU while kernels are long.
@@ -61,6 +69,9 @@ class Work:
     ops: float = 0.0
     host_bytes: float = 0.0
     offloadable: float = 0.0  # bytes the checkpoints save, which offloading would copy each way (not timed)
+    # Host memory offloading pins (not time, but extrapolated as the rest): PyTorch's CachingHostAllocator rounds each
+    # copy up to a power of two (`c10::llvm::PowerOf2Ceil`) and keeps its blocks cached for the next step.
+    pinned: float = 0.0
 
     def add(self, func: Any, args: tuple, kwargs: dict, out: Any, dispatches: float = 1.0) -> None:
         """Count one op; `dispatches` > 1 where it also passes through a Python dispatch mode."""
@@ -111,6 +122,10 @@ class Rates:
     source: str  # how they were found, shown with the plan
     flops_by_rows: tuple[tuple[int, float], ...] = ()
     host_bytes_per_s: float = HOST_LINK_BYTES_PER_S  # device <-> pinned host memory (offloading)
+    link_bytes_per_s: float | None = None  # to the other processes' devices, a direction (None: not known)
+    # A GPU runs its kernels while the host launches the next ones: per-op overhead overlaps the device's work
+    # instead of adding to it, as on a CPU, which runs each op as it dispatches it.
+    overlapped: bool = False
 
     def flop_rate(self, rows: int | None = None) -> float:
         """The FLOP rate of a step whose matmuls have `rows` rows: interpolated in log(rows) between the measured
@@ -127,8 +142,10 @@ class Rates:
         return points[-1][1]
 
     def seconds(self, work: Work, rows: int | None = None) -> float:
+        device = work.flops / self.flop_rate(rows) + work.bytes / self.bytes_per_s
+        host = work.ops * self.seconds_per_op
+        compute = max(device, host) if self.overlapped else device + host
         # Offloading's copies run on the compute stream (transformers' save_on_cpu): they add to the step.
-        compute = work.flops / self.flop_rate(rows) + work.bytes / self.bytes_per_s + work.ops * self.seconds_per_op
         return compute + work.host_bytes / self.host_bytes_per_s
 
 
@@ -198,7 +215,12 @@ def measure_rates(device: str | torch.device, dtype: torch.dtype, config: Any) -
     if device.type == "cuda":
         host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
         both = _best_of(lambda: (host.copy_(x), x.copy_(host)), 5, sync)  # to the host and back, as offloading copies
-        return replace(probed, host_bytes_per_s=2 * x.numel() * x.element_size() / both)
+        return replace(
+            probed,
+            host_bytes_per_s=2 * x.numel() * x.element_size() / both,
+            link_bytes_per_s=datasheet_peer_link(torch.cuda.get_device_name(device)),
+            overlapped=True,
+        )
     if device.type == "cpu":
         by_rows = layer_step_rates(config, dtype, probed)
         if by_rows:
@@ -320,22 +342,23 @@ def dispatched_ops(fn: Callable[[], Any]) -> int:
     return int(dispatched_work(fn).ops)
 
 
-def datasheet_rates(name: str, precision: str) -> Rates | None:
-    """Rates of a GPU known by name, from its datasheet (dense 16-bit peak, HBM bandwidth), or None."""
-    from llmtune.catalogue import datasheet_bandwidth, datasheet_host_link, datasheet_peak_flops
-
+def datasheet_rates(name: str, precision: str, tf32: bool = False) -> Rates | None:
+    """Rates of a GPU known by name, from its datasheet (dense 16-bit peak, or fp32's as `tf32` sets it; HBM
+    bandwidth; the links to host memory and to the node's other GPUs), or None."""
     key = name.lower().replace("-", " ")
-    peak, bandwidth = datasheet_peak_flops(key), datasheet_bandwidth(key)
+    peak = datasheet_fp32_flops(key, tf32) if precision == "fp32" else datasheet_peak_flops(key)
+    bandwidth = datasheet_bandwidth(key)
     if peak is None or bandwidth is None:
         return None
-    if precision == "fp32":
-        peak /= 2  # TF32 tensor cores: half the 16-bit rate
     link = datasheet_host_link(key)
     return Rates(
         flops_per_s=peak * GPU_MATMUL_EFFICIENCY,
         bytes_per_s=bandwidth * GPU_BANDWIDTH_EFFICIENCY,
         seconds_per_op=GPU_OP_OVERHEAD_S,
-        source=f"{name} datasheet: {GPU_MATMUL_EFFICIENCY:.0%} of peak FLOP/s,"
+        source=f"{name} datasheet: {GPU_MATMUL_EFFICIENCY:.0%} of peak FLOP/s"
+        f"{' (fp32: TF32 ' + ('on' if tf32 else 'off') + ')' if precision == 'fp32' else ''},"
         f" {GPU_BANDWIDTH_EFFICIENCY:.0%} of bandwidth",
         host_bytes_per_s=HOST_LINK_EFFICIENCY * link if link else HOST_LINK_BYTES_PER_S,
+        link_bytes_per_s=datasheet_peer_link(key),
+        overlapped=True,
     )

@@ -186,3 +186,39 @@ def test_a_cuda_step_holds_two_cublas_workspaces_in_the_caching_allocator():
     assert "cublas_workspaces" not in cpu.breakdown
     assert cuda.peak_bytes == sum(cuda.breakdown.values()) and cuda.reserved_bytes >= cuda.peak_bytes
     assert cuda.scaled_peak(1.0) == cuda.reserved_bytes  # the workspaces do not grow with the tokens
+
+
+def test_the_cards_generation_picks_the_kernel_as_sdp_utils_does():
+    """`sdp_utils.cpp`: flash needs sm80+, and on sm86/89 (L4, L40S, RTX 3090/4090, A6000) refuses a backward for
+    head dims in (192, 224], or above 224 with dropout (`check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89
+    _or_120`); the memory-efficient kernel then runs, or math where it cannot (GQA)."""
+    from llmtune.catalogue import compute_capability
+
+    q208, q256, q128 = (torch.empty(1, 8, 16, d, dtype=torch.bfloat16, device="meta") for d in (208, 256, 128))
+    l4, h100, v100 = (compute_capability(name) for name in ("l4", "h100-80gb", "v100-32gb"))
+    assert (l4, h100, v100) == ((8, 9), (9, 0), (7, 0))
+    assert cuda_sdpa_backend(q208, None, False, h100) == "flash"
+    assert cuda_sdpa_backend(q208, None, False, l4) == "efficient"
+    assert cuda_sdpa_backend(q208, None, True, l4) == "math"  # GQA: no memory-efficient kernel either
+    assert cuda_sdpa_backend(q256, None, False, l4) == "flash"
+    assert cuda_sdpa_backend(q256, None, False, l4, dropout_p=0.1) == "efficient"
+    assert cuda_sdpa_backend(q128, None, False, v100) == "efficient"  # before Ampere: no flash
+
+
+def test_a_consumer_card_keeps_what_the_memory_efficient_kernel_keeps_where_flash_would_run():
+    """Head dim 208, causal, no mask: flash on an H100; on an L4 (sm89) `sdp_utils.cpp` refuses flash's backward, and
+    `_scaled_dot_product_efficient_attention` keeps the output, an fp32 log-sum-exp of (B, H, T rounded up to 32) and
+    its RNG seed and offset (0-dim int64 each; attention.cu `_efficient_attention_forward`)."""
+    from llmtune.catalogue import compute_capability
+
+    b, h, t, d = 2, 4, 200, 208
+
+    def kept_on(card: str) -> int:
+        with FakeTensorMode():
+            q = _leaf(b, h, t, d)
+            with CudaKernels(compute_capability(card)):
+                return _trace(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), q)[1]
+
+    out = b * h * t * d * BF16
+    assert kept_on("l4") == out + b * h * _round_up(t, 32) * F32 + 16
+    assert kept_on("h100-80gb") != kept_on("l4")

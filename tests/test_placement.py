@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from test_scale_out import model_dir  # noqa: F401 (a fixture: the tiny Llama of conftest, weights saved)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
@@ -127,6 +128,12 @@ class OnDevice(torch.Tensor):
     def tolist(self):  # a copy to the host, as on CUDA (torch has no op for it that a subclass could take)
         return self.host.tolist()
 
+    def __repr__(self) -> str:  # as torch prints a device's tensor: its values, then where it is
+        return f"{self.host!r} on {self.device}"
+
+    def untyped_storage(self):  # the data's (FSDP2 frees and reallocates a gathered parameter's storage in place)
+        return self.host.untyped_storage()
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return HostBackedDevice.run(func, args, kwargs or {})
@@ -184,6 +191,11 @@ def on_device(monkeypatch):
         def get_amp_supported_dtype(self) -> list[torch.dtype]:  # autocast asks, also to be told it is off
             return [torch.bfloat16, torch.float16]
 
+        Stream, Event, StreamContext = torch.cpu.Stream, torch.cpu.Event, torch.cpu.StreamContext
+        current_stream, stream, synchronize = map(
+            staticmethod, (torch.cpu.current_stream, torch.cpu.stream, torch.cpu.synchronize)
+        )
+
     if not hasattr(torch, "privateuseone"):
         backends._setup_privateuseone_for_python_backend(backend_module=Backend())
     monkeypatch.setattr(Accelerator, "device", property(lambda self: DEVICE))
@@ -209,12 +221,123 @@ def on_device(monkeypatch):
         yield mode
 
 
-@pytest.mark.parametrize(("objective", "reference"), [("dpo", "precomputed"), ("dpo", "copy"), ("sft", "none")])
-def test_setup_and_first_step_run_on_the_training_device(objective, reference, recipe_of, on_device):
+ENGINES = ("ddp", "fsdp2", "zero2", "zero3")
+
+
+@pytest.fixture
+def on_engine(engine, on_device, monkeypatch, tmp_path):
+    """`engine` in this process (a one-process gloo group and the environment `accelerate launch` sets for its config),
+    on DEVICE as it is on a GPU: FSDP2's default mesh is the machine's accelerator, DeepSpeed's is its accelerator's.
+    What it takes to get there without the hardware, each a step torch or DeepSpeed takes for CUDA another way:
+
+    * FSDP2 moves a plain parameter with `tensor.data = tensor.to(device)`, which torch refuses from host memory to a
+      device outside its list of dense backends (c10 `TensorImpl::has_compatible_shallow_copy_type`: CPU, CUDA, MPS,
+      HIP, XPU, HPU, MTIA): here with `torch.utils.swap_tensors`, as FSDP2 does for a parameter of a tensor subclass;
+    * DeepSpeed keeps weak references to every parameter (names for its debug messages), and `swap_tensors`, the only
+      way to move a parameter to a device written in Python (`Module._apply` takes it), refuses an object with one;
+    * ZeRO-3 puts `torch.tensor` back to the one it found at import, before the fake device's was set.
+    """
+    if engine == "ddp":
+        yield
+        return
+    dist = torch.distributed
+    if engine == "fsdp2":
+        from torch.distributed.fsdp._fully_shard import _fsdp_init
+
+        monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+        monkeypatch.setenv("FSDP_VERSION", "2")
+        monkeypatch.setattr(torch._C, "_get_accelerator", lambda: DEVICE)
+        monkeypatch.setattr(_fsdp_init, "_move_states_to_device", move_by_swapping)
+    else:
+        from deepspeed.accelerator import real_accelerator
+        from deepspeed.runtime import engine as deepspeed_engine
+        from deepspeed.runtime.zero import partition_parameters
+        from deepspeed.utils import groups
+
+        environment = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "ACCELERATE_USE_DEEPSPEED": "true"}
+        for key, value in (environment | {"ACCELERATE_DEEPSPEED_ZERO_STAGE": engine[-1]}).items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setattr(real_accelerator, "ds_accelerator", deepspeed_accelerator())
+        monkeypatch.setattr(deepspeed_engine, "debug_extract_module_and_param_names", lambda model: None)
+        monkeypatch.setattr(partition_parameters, "_orig_torch_tensor", torch.tensor)
+        for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP"):
+            monkeypatch.setattr(groups, name, None)  # the group of an earlier test, destroyed since
+    AcceleratorState._reset_state(reset_partial_state=True)  # Accelerate's process-wide state: this engine's
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def move_by_swapping(params: list, buffers: list, device: torch.device) -> None:
+    """FSDP2's `_move_states_to_device`, each tensor swapped for its copy on `device` (the parameter object, its
+    class, `requires_grad` kept)."""
+    for tensor in [*params, *buffers]:
+        if tensor.device == device:
+            continue
+        with torch.no_grad():
+            moved = tensor.to(device)
+            if isinstance(tensor, torch.nn.Parameter):
+                moved = torch.nn.Parameter(moved, requires_grad=tensor.requires_grad)
+        torch.utils.swap_tensors(tensor, moved)
+
+
+def deepspeed_accelerator():
+    """DeepSpeed's CPU accelerator (its streams and memory figures, no kernels to build) with DEVICE as its device."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    class OnDeviceAccelerator(CPU_Accelerator):
+        def device_name(self, device_index=None) -> str:
+            return DEVICE.type if device_index is None else f"{DEVICE.type}:{device_index}"
+
+        def current_device_name(self) -> str:
+            return str(DEVICE)
+
+        def current_device(self) -> int:
+            return DEVICE.index
+
+    return OnDeviceAccelerator()
+
+
+def held_on(model: torch.nn.Module) -> set[torch.device]:
+    """Where the model's parameters keep their data: FSDP2's local shards, ZeRO-3's partitions, else the tensors."""
+    local = (getattr(p, "ds_tensor", p.to_local() if hasattr(p, "to_local") else p) for p in model.parameters())
+    return {t.device for t in local}
+
+
+def engine_cases(cases: list[tuple]) -> list:
+    """`cases` under every engine; ZeRO-3 refuses a frozen copy (its empty partitions): not run there."""
+    return [
+        pytest.param(engine, *case, id="-".join([engine, *map(str, case)]))
+        for engine in ENGINES
+        for case in cases
+        if not (engine == "zero3" and "copy" in case)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("engine", "objective", "reference", "method"),
+    engine_cases(
+        [
+            ("sft", "none", "none"),
+            ("orpo", "none", "none"),
+            ("simpo", "none", "none"),
+            ("dpo", "precomputed", "none"),
+            ("dpo", "copy", "none"),
+            ("dpo", "adapter_disabled", "lora"),
+        ]
+    ),
+)
+def test_setup_and_first_step_run_on_the_training_device(
+    engine, objective, reference, method, recipe_of, on_device, on_engine
+):
     """A model loaded from disk into host memory, trained on another device: the precomputed reference ran before
     `prepare` moved the model (host weights, device batch) and the frozen copy was never moved."""
     overrides = {"preference__reference": reference} if objective == "dpo" else {}
-    run = build(load_recipe(recipe_of(objective, **overrides)))
+    if engine == "zero3" and method == "lora":  # refused with checkpointing (launch.check_engine)
+        overrides["training__gradient_checkpointing"] = False
+    run = build(load_recipe(recipe_of(objective, peft__method=method, **overrides)))
+    assert run.engine == engine
     examples = batch_for_step(
         run.data.train, step=0, global_batch_size=4, seed=0, rank=0, world_size=1, group_by_length=False
     )
@@ -222,10 +345,10 @@ def test_setup_and_first_step_run_on_the_training_device(objective, reference, r
     # autograd engine wants the device's streams, which torch's Python-side placeholders do not give.
     batch = {k: v.to(DEVICE) for k, v in collate_for(run, examples[:1]).items()}
     assert run.model(**batch).device == DEVICE
-    assert {p.device for p in run.model.parameters()} == {DEVICE}
+    assert held_on(run.model) == {DEVICE}
     assert torch.ops.aten.embedding.default in on_device.on_device  # the forwards ran there
     if reference == "copy":
-        assert {p.device for p in run.model._reference_model[0].parameters()} == {DEVICE}
+        assert held_on(run.model._reference_model[0]) == {DEVICE}
 
 
 @pytest.mark.slow
@@ -245,8 +368,13 @@ def test_zero3_dpo_computes_the_precomputed_reference_through_the_sharded_model(
     assert step["loss"] == pytest.approx(math.log(2), abs=1e-7)
 
 
-@pytest.mark.parametrize(("beta", "method"), [(0.0, "none"), (0.04, "none"), (0.04, "lora")])
-def test_grpo_samples_and_trains_on_the_training_device(beta, method, recipe_of, on_device, tmp_path):
+@pytest.mark.parametrize(
+    ("engine", "reference", "beta", "method"),
+    engine_cases([("none", 0.0, "none"), ("copy", 0.04, "none"), ("adapter_disabled", 0.04, "lora")]),
+)
+def test_grpo_samples_and_trains_on_the_training_device(
+    engine, reference, beta, method, recipe_of, on_device, on_engine, tmp_path
+):
     """GRPO's setup, its first batch's sampling (generate with a KV cache, through the prepared module) and the first
     forward on the completions, on the training device: with no reference, a frozen copy (full fine-tuning) or the
     adapters switched off (LoRA)."""
@@ -269,6 +397,7 @@ def test_grpo_samples_and_trains_on_the_training_device(beta, method, recipe_of,
         },
     )
     run = build(load_recipe(recipe))
+    assert (run.engine, run.objective.reference) == (engine, reference)
     examples = batch_for_step(
         run.data.train, step=0, global_batch_size=2, seed=0, rank=0, world_size=1, group_by_length=False
     )
@@ -276,4 +405,4 @@ def test_grpo_samples_and_trains_on_the_training_device(beta, method, recipe_of,
     assert len(rows) == 4 and torch.ops.aten.embedding.default in on_device.on_device  # sampled there
     batch = {k: v.to(DEVICE) for k, v in collate_for(run, rows).items()}
     assert run.model(**batch).device == DEVICE
-    assert {p.device for p in run.model.parameters()} == {DEVICE}
+    assert held_on(run.model) == {DEVICE}

@@ -12,7 +12,7 @@ import torch
 from test_memory import assert_close, measured_peak, real_batch, tiny_config
 
 from llmtune.cli import main
-from llmtune.memory import checkpointing_choices, plan_micro_batch
+from llmtune.memory import MemoryPlanError, checkpointing_choices, format_plan, plan_micro_batch
 from llmtune.memory.cache import clear_traces
 from llmtune.memory.estimate import estimate, estimate_all
 from llmtune.recipe import Checkpointing, RecipeError, load_recipe
@@ -246,6 +246,24 @@ def test_the_planner_offloads_only_on_a_gpu_and_only_when_nothing_else_fits():
     assert untraced == pytest.approx(seconds[OFFLOADED], rel=0.01)
     cpu = plan_micro_batch(cfg, budget_bytes=2**34, global_batch_size=4, rates=RATES, **KW)
     assert not any(c["offload"] for c in cpu.frontier)  # a CPU's activations are in host memory already
+
+
+def test_offloading_pins_host_memory_in_powers_of_two_and_the_plan_keeps_within_the_host():
+    """save_on_cpu copies each checkpointed layer's saved input (the fp32 residual stream) into pinned memory, which
+    PyTorch's CachingHostAllocator hands out rounded up to a power of two (`PowerOf2Ceil`) and keeps cached: 8 layers
+    x 2^ceil(log2(1000 x hidden x 4)) bytes. Where the host cannot pin that, offloading does not fit."""
+    cfg = tiny_config("llama", layers=8)
+    cuda = CUDA_KW | {"seq_len": 1000}
+    off = estimate(cfg, micro_batch_size=1, gradient_checkpointing=OFFLOADED, **cuda)
+    per_layer = 1000 * cfg.hidden_size * 4
+    assert off.pinned_host_bytes == 8 * (1 << (per_layer - 1).bit_length()) > 8 * per_layer
+    every = estimate(cfg, micro_batch_size=1, gradient_checkpointing=True, **cuda).reserved_bytes
+    kw = dict(global_batch_size=1, gradient_checkpointing="auto", rates=datasheet_rates("a100-80gb", "bf16"))
+    budget = (every + off.reserved_bytes) // 2  # only offloading fits the device
+    roomy = plan_micro_batch(cfg, budget_bytes=budget, host_bytes=off.pinned_host_bytes, **kw, **cuda)
+    assert roomy.checkpointing == OFFLOADED and "pins" in format_plan(roomy, "t")
+    with pytest.raises(MemoryPlanError):
+        plan_micro_batch(cfg, budget_bytes=budget, host_bytes=off.pinned_host_bytes - 1, **kw, **cuda)
 
 
 def test_offloading_is_refused_on_a_cpu_in_words(tiny_recipe, capsys):

@@ -162,3 +162,74 @@ DATASHEET_HOST_LINK: list[tuple[str, float]] = [
 def datasheet_host_link(device_name: str) -> float | None:
     """Host link bytes/s a direction of a GPU known by name, or None."""
     return _first_match(DATASHEET_HOST_LINK, device_name, 1e9)
+
+
+# FP32 on the CUDA cores in TFLOP/s (no tensor cores), matched like DATASHEET_PEAKS: the rate of fp32 matmuls when
+# the run leaves TF32 off (PyTorch's default: torch.backends.cuda.matmul.allow_tf32 is False). With TF32 on, sm80
+# and newer run them at half the 16-bit tensor-core peak; V100 and T4 have no TF32 and stay at these rates.
+DATASHEET_FP32: list[tuple[str, float]] = [
+    (r"h200 nvl|h100 nvl", 60.0),
+    (r"h100 pcie", 51.0),
+    (r"h200|h100|h800", 67.0),
+    (r"a100|a800", 19.5),
+    (r"l40s", 91.6),
+    (r"l40\b", 90.5),
+    (r"\bl4\b", 30.3),
+    (r"\ba10g?\b", 31.2),
+    (r"rtx 4090", 82.6),
+    (r"rtx 3090", 35.6),
+    (r"a6000", 38.7),
+    (r"v100.*sxm", 15.7),
+    (r"v100", 14.0),
+    (r"\bt4\b", 8.1),
+]
+NO_TF32 = r"v100|\bt4\b"  # cards before Ampere: fp32 matmuls run on the CUDA cores whatever the run sets
+
+
+def datasheet_fp32_flops(device_name: str, tf32: bool) -> float | None:
+    """FLOP/s of fp32 matmuls on a GPU known by name: TF32 tensor cores (half the 16-bit peak) where `tf32` is on
+    and the card has them, else its CUDA cores' FP32 rate; None for an unknown card."""
+    if tf32 and not re.search(NO_TF32, device_name.lower()):
+        peak = datasheet_peak_flops(device_name)
+        return None if peak is None else peak / 2
+    return _first_match(DATASHEET_FP32, device_name, 1e12)
+
+
+# The link between the GPUs of one node, in GB/s a direction, matched like DATASHEET_PEAKS: what the data-parallel
+# engines' collectives cross (llmtune.communication). SXM boards: NVLink (gen 4 on Hopper: 900 GB/s both ways; gen
+# 3 on the A100: 600; the export parts H800/A800: 400; gen 2 on the V100 SXM2: 300); NVL cards are bridged in pairs
+# (600 both ways); every other card here talks over PCIe x16 (gen 5 64, gen 4 32, gen 3 16 a direction; GeForce
+# cards without peer-to-peer go through host memory, taken as the same link).
+DATASHEET_PEER_LINK: list[tuple[str, float]] = [
+    (r"h200 nvl|h100 nvl", 300.0),
+    (r"h100 pcie", 64.0),
+    (r"h800|a800", 200.0),
+    (r"h200|h100", 450.0),
+    (r"a100.*pcie", 32.0),
+    (r"a100", 300.0),
+    (r"v100.*sxm", 150.0),
+    (r"l40|\bl4\b|\ba10g?\b|rtx 4090|rtx 3090|a6000", 32.0),
+    (r"v100|\bt4\b", 16.0),
+]
+
+
+def datasheet_peer_link(device_name: str) -> float | None:
+    """Bytes/s a direction between two GPUs of one node, of a card known by name, or None."""
+    return _first_match(DATASHEET_PEER_LINK, device_name, 1e9)
+
+
+# CUDA compute capability, matched like DATASHEET_PEAKS: which attention kernels torch's `sdp_utils.cpp` lets run.
+DATASHEET_ARCH: list[tuple[str, tuple[int, int]]] = [
+    (r"h200|h100|h800", (9, 0)),
+    (r"a100|a800", (8, 0)),
+    (r"l40|\bl4\b|rtx 4090", (8, 9)),
+    (r"\ba10g?\b|rtx 3090|a6000", (8, 6)),
+    (r"\bt4\b", (7, 5)),
+    (r"v100", (7, 0)),
+]
+
+
+def compute_capability(device_name: str) -> tuple[int, int] | None:
+    """(major, minor) CUDA compute capability of a GPU known by name, or None."""
+    name = device_name.lower().replace("-", " ")
+    return next((arch for pattern, arch in DATASHEET_ARCH if re.search(pattern, name)), None)

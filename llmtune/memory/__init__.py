@@ -16,7 +16,7 @@ The modules, in the order data flows through them:
   text. The time model is `llmtune.timing`.
 """
 
-from llmtune.memory.budget import default_budget, planning_target, resolve_budget
+from llmtune.memory.budget import default_budget, host_budget, planning_target, resolve_budget
 from llmtune.memory.estimate import LoraSpec, MemoryEstimate, estimate, estimate_all
 from llmtune.memory.from_recipe import (
     estimate_settings,
@@ -50,6 +50,7 @@ __all__ = [
     "format_frontier",
     "format_plan",
     "generation_peak",
+    "host_budget",
     "parse_bytes",
     "plan_for_budget",
     "plan_micro_batch",

@@ -30,6 +30,12 @@ def default_budget(device: str | torch.device = "cuda") -> int:
     return max(0, available - max(_GiB, int(0.10 * available)))
 
 
+def host_budget(processes_here: int) -> int:
+    """Host memory one of `processes_here` processes on this machine may pin for activation offloading: what the
+    host has available less the same margin as a CPU's budget, shared between them."""
+    return default_budget("cpu") // max(1, processes_here)
+
+
 def _cuda_budget(free: int, total: int) -> int:
     return max(0, free - int(0.10 * total) - 512 * 1024**2)
 

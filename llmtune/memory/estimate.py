@@ -78,6 +78,11 @@ class MemoryEstimate:
     optimizer_work: Work = field(default_factory=Work)  # the update (once per optimizer step)
     segment_peaks: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)  # for `scaled_peak`
 
+    @property
+    def pinned_host_bytes(self) -> int:
+        """Host memory activation offloading pins for the step (0 without it), outside the device's budget."""
+        return int(self.work.pinned)
+
     def scaled_peak(self, factor: float) -> int:
         """The reserved peak with `factor` times the tokens per micro-step, without a trace: in every segment of the
         step, what the tokens make (`TOKEN_TAGS`) scales and the model states do not. Exact where the

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from llmtune import timing
+from llmtune.catalogue import compute_capability
 from llmtune.memory.generation import (
     GenerationEstimate,
     generation_peak,
@@ -33,8 +34,10 @@ def estimate_settings(
     sharding: str = "none",
     precision: str | None = None,
     trained_fraction: float = 1.0,
+    gpu: str | None = None,
 ):
-    """The estimator's keyword arguments for `recipe` run on `device` as the training loop would run it.
+    """The estimator's keyword arguments for `recipe` run on `device` as the training loop would run it (on CUDA,
+    on the card named `gpu`, else this machine's: its compute capability picks the attention kernels).
 
     `trained_fraction` is the data's `DataStats.max_trained_fraction` where the data is at hand (training);
     without it (`llmtune estimate`) every token is taken as trained, the upper bound. The rows' length, layout and
@@ -72,7 +75,18 @@ def estimate_settings(
         expandable_segments=expandable_segments(recipe),
         objective=t.objective,
         reference=reference_for(recipe),
+        compute_capability=card_capability(device, gpu),
     )
+
+
+def card_capability(device: str, gpu: str | None) -> tuple[int, int] | None:
+    """The compute capability of the CUDA card planned for: named (`--gpu`), else this machine's; None for a CPU or
+    a card not known (taken as a data-center one, sm80/sm90)."""
+    if device != "cuda":
+        return None
+    if gpu:
+        return compute_capability(gpu)
+    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
 
 
 @dataclass(frozen=True)
@@ -108,12 +122,13 @@ def expandable_segments(recipe: Recipe) -> bool:
     return recipe.memory.expandable_segments
 
 
-def plan_rates(device: str, precision: str, config: Any, gpu: str | None = None) -> Rates:
-    """The time model's rates for the device planned for: a GPU named with --gpu from its datasheet, this machine's
-    own device measured (`timing.measure_rates`), else nominal rates that rank candidates but forecast nothing."""
+def plan_rates(device: str, precision: str, config: Any, gpu: str | None = None, tf32: bool = False) -> Rates:
+    """The time model's rates for the device planned for: a GPU named with --gpu from its datasheet (fp32 matmuls
+    at TF32's rate where `tf32`), this machine's own device measured (`timing.measure_rates`, as the run has set
+    TF32), else nominal rates that rank candidates but forecast nothing."""
     # Looked up in `timing` at each call, where a test (tests/test_scale_out.py) stands in for the measurement.
     if gpu:
-        return timing.datasheet_rates(gpu, precision) or NOMINAL_RATES
+        return timing.datasheet_rates(gpu, precision, tf32) or NOMINAL_RATES
     here = "cuda" if torch.cuda.is_available() else "cpu"
     if device != here:
         return NOMINAL_RATES
@@ -129,6 +144,7 @@ def plan_for_budget(
     budget_bytes: int,
     num_processes: int,
     rates: Rates | None = None,
+    host_bytes: int | None = None,
 ) -> BatchPlan:
     """The fastest micro-batch and checkpointing for the recipe's global batch and rows (`training_rows`) within
     `budget_bytes`, as far as the recipe leaves them open; a fixed `training.micro_batch_size` is planned as given
@@ -142,6 +158,7 @@ def plan_for_budget(
         seq_len=training_rows(recipe).seq_len,
         micro_batch_size=None if t.micro_batch_size == "auto" else t.micro_batch_size,
         rates=rates,
+        host_bytes=host_bytes,
         **settings,
     )
     return with_generation(plan, recipe, config, budget_bytes) if t.objective == "grpo" else plan

@@ -162,13 +162,24 @@ _CUDA_LOWER = {torch.einsum, torch.mv, T.mv, torch.addmv, torch.addr}
 FLASH_MAX_HEAD_DIM = 256  # aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: check_head_dim_size_flash
 
 
-def cuda_sdpa_backend(q: torch.Tensor, attn_mask: torch.Tensor | None, enable_gqa: bool) -> str:
-    """The backend torch's `sdp_utils.cpp` picks on a recent CUDA GPU (sm80+), in its priority order:
-    flash (16-bit, no arbitrary mask, head dim <= 256 and a multiple of 8), then memory-efficient (any
-    float dtype, masks; no GQA), then the math composite."""
+def cuda_sdpa_backend(
+    q: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    enable_gqa: bool,
+    capability: tuple[int, int] | None = None,
+    dropout_p: float = 0.0,
+) -> str:
+    """The backend torch's `sdp_utils.cpp` picks for a training step on a CUDA GPU of compute `capability` (None: a
+    data-center card, sm80 or sm90), in its priority order: flash (sm80+, 16-bit, no arbitrary mask, head dim <= 256
+    and a multiple of 8; `check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120`: on sm86/89/120/121
+    not with grad for head dims in (192, 224], nor above 224 with dropout), then memory-efficient (any float dtype,
+    masks; no GQA), then the math composite."""
     head_dim = q.shape[-1]
+    arch = capability or (8, 0)
+    consumer = arch in ((8, 6), (8, 9), (12, 0), (12, 1))
+    refused = consumer and (192 < head_dim <= 224 or (head_dim > 224 and dropout_p > 0))
     if q.dtype in (torch.bfloat16, torch.float16) and attn_mask is None and head_dim <= FLASH_MAX_HEAD_DIM:
-        if head_dim % 8 == 0:
+        if head_dim % 8 == 0 and arch >= (8, 0) and not refused:
             return "flash"
     if not enable_gqa and head_dim % (4 if q.dtype == torch.float32 else 8) == 0:
         return "efficient"
@@ -270,8 +281,12 @@ class _SdpaMemory(torch.autograd.Function):
 
 class CudaKernels(TorchFunctionMode):
     """Inside a CPU-autocast trace: CUDA autocast's op lists where they differ from CPU's, and SDPA as the
-    kernel CUDA would pick keeps and allocates it (flash/memory-efficient stand-ins; the math composite
-    called by name, which is what CUDA runs too)."""
+    kernel CUDA would pick on a card of compute `capability` (None: sm80/sm90) keeps and allocates it
+    (flash/memory-efficient stand-ins; the math composite called by name, which is what CUDA runs too)."""
+
+    def __init__(self, capability: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.capability = capability
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -288,14 +303,13 @@ class CudaKernels(TorchFunctionMode):
             args, kwargs = _cast((args, kwargs), lower)
         return func(*args, **kwargs)
 
-    @staticmethod
-    def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    def _sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         """attention.cpp `scaled_dot_product_attention` as CUDA runs it: the backend `cuda_sdpa_backend` picks, the
         mask converted for it (`convert_boolean_attn_mask`, then `preprocess_mask` for memory-efficient). On CUDA
         autocast, SDPA is on the lower-precision list and its inner ops run with autocast off; so here."""
         if torch.is_autocast_enabled("cpu"):
             (q, k, v), _ = _cast(((q, k, v), {}), torch.get_autocast_dtype("cpu"))
-        backend = cuda_sdpa_backend(q, attn_mask, enable_gqa)
+        backend = cuda_sdpa_backend(q, attn_mask, enable_gqa, self.capability, dropout_p)
         with torch.autocast("cpu", enabled=False):
             bias = _additive_mask(attn_mask, q.dtype)
             if backend == "math":

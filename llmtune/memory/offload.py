@@ -18,7 +18,9 @@ def offload_saved_inputs(model: torch.nn.Module, counter: TraceCounter) -> None:
     only the shape meanwhile and counts the bytes both ways (`Work.host_bytes`)."""
 
     def pack(t: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
-        counter.work["body"].host_bytes += t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size()
+        counter.work["body"].host_bytes += nbytes
+        counter.work["body"].pinned += pinned_bytes(nbytes)
         return t.size(), t.dtype
 
     def unpack(packed: tuple[torch.Size, torch.dtype]) -> torch.Tensor:
@@ -27,6 +29,12 @@ def offload_saved_inputs(model: torch.nn.Module, counter: TraceCounter) -> None:
         return torch.empty(size, dtype=dtype)  # the device copy, allocated where backward needs it
 
     _hook_checkpoints(model, pack, unpack)
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """The pinned host memory a copy of `nbytes` takes: CachingHostAllocator.cpp's `allocate` rounds every request
+    up to the next power of two (`c10::llvm::PowerOf2Ceil`)."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
 def count_saved_inputs(model: torch.nn.Module, counter: TraceCounter) -> None:

@@ -38,6 +38,11 @@ def format_plan(plan: BatchPlan, title: str) -> str:
             else " (live tensors only: Python objects and the data pipeline are outside it)"
         ),
     ]
+    if e.pinned_host_bytes:
+        lines.append(
+            f"offloading pins {format_bytes(e.pinned_host_bytes)} of host memory a process (each copy rounded up to a"
+            " power of two by PyTorch's pinned-memory allocator, and kept cached)"
+        )
     if plan.generation is not None:
         lines += ["", *format_generation(plan)]
     if len(plan.frontier) > 1:
@@ -104,7 +109,8 @@ def format_frontier(plan: BatchPlan) -> list[str]:
                 c["predicted_peak"] or "-",
                 f"{speed / top:.2f}" if nominal else f"{speed:,.0f}",
                 {True: "yes", False: "no", None: "-"}[c["fits"]],
-                "<- chosen" if is_chosen(c) else "",
+                ("<- chosen " if is_chosen(c) else "")
+                + (f"(pins {format_bytes(c['pinned_host_bytes'])} of host memory)" if c.get("pinned_host_bytes") else ""),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(5)]

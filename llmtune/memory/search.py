@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from llmtune.communication import Traffic, engine_traffic, step_seconds
 from llmtune.memory.estimate import MemoryEstimate, estimate_all
 from llmtune.memory.plan import BatchPlan, MemoryPlanError
 from llmtune.recipe import Checkpointing, checkpointed_layers, checkpointing_of
@@ -34,6 +35,7 @@ class Candidate:
     tokens_per_s: float  # predicted tokens per second of one process
     peak_bytes: int | None = None
     fits: bool | None = None
+    pinned_host_bytes: int | None = None  # offloaded: the host memory its copies pin (llmtune.memory.offload)
 
     def to_dict(self, num_layers: int) -> dict[str, Any]:
         return {
@@ -45,6 +47,7 @@ class Candidate:
             "predicted_tokens_per_s": round(self.tokens_per_s, 1),
             "predicted_peak": format_bytes(self.peak_bytes) if self.peak_bytes is not None else None,
             "predicted_peak_bytes": self.peak_bytes,
+            "pinned_host_bytes": self.pinned_host_bytes,
             "fits": self.fits,
         }
 
@@ -71,13 +74,15 @@ def plan_micro_batch(
     seq_len: int,
     micro_batch_size: int | None = None,
     rates: Rates | None = None,
+    host_bytes: int | None = None,
     **estimate_kwargs: Any,
 ) -> BatchPlan:
     """The fastest predicted micro-batch and checkpointing that fit `budget_bytes` and divide the global batch.
 
     `gradient_checkpointing` (in `estimate_kwargs`): a `Checkpointing` or bool fixes it; "auto" weighs
     `checkpointing_choices`. `micro_batch_size` fixes the micro-batch. `rates` (llmtune.timing) turn the traced
-    work into seconds; without them every candidate is ranked by its work at nominal rates.
+    work into seconds; without them every candidate is ranked by its work at nominal rates. `host_bytes`: the host
+    memory this process may pin; an offloaded candidate that would pin more does not fit (None: not known).
 
     How: the time of every candidate comes from one estimate per uniform setting (none, every layer, selective,
     offloaded) at the smallest micro-batch -- work is affine in the micro-batch and in the number of recomputed
@@ -102,7 +107,7 @@ def plan_micro_batch(
         format_bytes(budget_bytes),
     )
     per_process = global_batch_size // num_processes
-    search = _Search(config, layers, seq_len, num_processes, per_process, sizes[0], rates, estimate_kwargs)
+    search = _Search(config, layers, seq_len, num_processes, per_process, sizes[0], rates, estimate_kwargs, host_bytes)
     # Offloading weighed by `auto` is traced only when the search reaches it (its memory): its work is every
     # layer's plus the copies of what every layer's checkpoints save (`Work.offloadable`), both ways.
     search.time_uniform(modes, lazy={mode for mode in modes if mode.offload} if fixed is None else set())
@@ -130,6 +135,7 @@ class _Search:
     m0: int
     rates: Rates
     settings: dict[str, Any]
+    host_bytes: int | None = None  # host memory offloading may pin (None: not known)
     estimates: dict[tuple[int, Checkpointing], MemoryEstimate] = field(default_factory=dict)
     uniform: dict[Checkpointing, MemoryEstimate] = field(default_factory=dict)
 
@@ -177,7 +183,8 @@ class _Search:
     ) -> Candidate:
         """Predicted step time of `mode` at micro-batch `m` from the estimates at `m0` (`uniform`, by default the
         search's): forward and backward work scales with the tokens, except the op count, at the FLOP rate of `m` x
-        `seq_len` rows; the optimizer's is once per step. Every k-th layer recomputed: none's work plus the
+        `seq_len` rows; the optimizer's is once per step; the engine's collectives overlap the micro-steps they
+        run in (`llmtune.communication.step_seconds`). Every k-th layer recomputed: none's work plus the
         recomputed layers' share of the difference to every layer."""
         uniform = self.uniform if uniform is None else uniform
         if 1 < mode.every_n_layers:
@@ -188,9 +195,22 @@ class _Search:
         else:
             work, update = uniform[mode].work, uniform[mode].optimizer_work
         scaled = replace(work * (m / self.m0), ops=work.ops)
-        per_step = self.per_process // m
-        seconds = self.rates.seconds(scaled, rows=m * self.seq_len) * per_step + self.rates.seconds(update)
+        micro = self.rates.seconds(scaled, rows=m * self.seq_len)
+        seconds = step_seconds(
+            micro, self.per_process // m, self.rates.seconds(update), self.traffic(), self.rates.link_bytes_per_s
+        )
         return Candidate(m, mode, seconds, self.per_process * self.seq_len / seconds)
+
+    def traffic(self) -> Traffic:
+        """What the engine sends between the processes a step (`llmtune.communication`)."""
+        totals = next(iter(self.uniform.values())).totals
+        return engine_traffic(
+            self.settings.get("sharding", "none"),
+            self.num_processes,
+            self.settings["precision"],
+            totals["parameters"],
+            totals["trainable_parameters"],
+        )
 
 
 def _first_fit(
@@ -206,9 +226,12 @@ def _first_fit(
         # Scaled from the smallest micro-batch first (no trace): the scaling over-states as often as not (by 11%
         # from 1 to 8 on a small Llama), so only a guess far over the budget rules a candidate out unestimated.
         guess = search.predict(search.m0, c.checkpointing).scaled_peak(c.micro_batch_size / search.m0)
+        pinned = None
         if guess <= GUESS_MARGIN * budget_bytes:
-            guess = search.predict(c.micro_batch_size, c.checkpointing).reserved_bytes
-        c = replace(c, peak_bytes=guess, fits=guess <= budget_bytes)
+            est = search.predict(c.micro_batch_size, c.checkpointing)
+            guess, pinned = est.reserved_bytes, est.pinned_host_bytes if c.checkpointing.offload else None
+        host_fits = pinned is None or search.host_bytes is None or pinned <= search.host_bytes
+        c = replace(c, peak_bytes=guess, fits=guess <= budget_bytes and host_fits, pinned_host_bytes=pinned)
         weighed.append(c)
         if c.fits:
             return c, weighed

@@ -15,7 +15,7 @@ LOSSES = ("hf", "chunked")
 LAYOUTS = ("packed", "padded")
 OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "grpo")
 REFERENCES = ("none", "adapter_disabled", "copy", "precomputed")
-SHARDINGS = ("none", "fsdp", "zero2", "zero3")
+SHARDINGS = ("none", "fsdp", "fsdp_no_reshard", "zero2", "zero3")
 DEVICES = ("cuda", "cpu")
 
 
@@ -53,6 +53,14 @@ class Settings:
     expandable_segments: bool = True
     objective: str = "sft"
     reference: str = "none"
+    compute_capability: tuple[int, int] | None = None  # the CUDA card's (None: sm80/sm90): its attention kernels
+
+    @property
+    def sharded_16bit(self) -> bool:
+        """Mixed precision under a sharding engine: the blocks compute from 16-bit weights (FSDP2's
+        `MixedPrecisionPolicy`, DeepSpeed's bf16/fp16 modules), not under autocast, while the fp32 master weights,
+        gradients and optimizer states are kept sharded (`llmtune.memory.sharding`)."""
+        return self.sharding != "none" and self.precision in ("bf16", "fp16")
 
 
 def settings_of(
@@ -64,7 +72,8 @@ def settings_of(
     `zero_grad(set_to_none=True)`. With `grad_accum_steps > 1` the previous micro-steps' gradients are alive
     during forward and backward.
     `num_processes`/`sharding` divide the sharded states; `"none"` with several processes is
-    DDP with its gradient buckets unless `ddp_bucket_view` (gradient_as_bucket_view=True).
+    DDP with its gradient buckets unless `ddp_bucket_view` (gradient_as_bucket_view=True); `fsdp` is FSDP2
+    resharding after forward, `fsdp_no_reshard` keeps the blocks gathered from forward to backward.
     `gradient_checkpointing`: a `Checkpointing` (every k-th layer, selective), or a bool for every layer / none.
     `chunk_size`: the chunked loss's rows per chunk, by default `llmtune.loss.default_chunk_size` of the vocabulary.
     `objective` dpo / orpo / simpo traces `llmtune.preference.PreferenceModel` on pairs (`micro_batch_size`

@@ -41,7 +41,11 @@ def build_model(config: Any, s: Settings) -> torch.nn.Module:
     check_bitsandbytes_device(s.lora.method if s.lora else "none", s.optimizer, s.device)
     cfg = copy.deepcopy(config)
     cfg.use_cache = False
-    dtype = torch.bfloat16 if s.precision == "bf16-true" else torch.float32
+    # bf16-true's weights are bf16; a sharding engine's mixed precision computes from 16-bit copies of its fp32
+    # shards, traced as 16-bit weights whose fp32 states `llmtune.memory.sharding` sizes.
+    dtype = torch.float32
+    if s.precision == "bf16-true" or s.sharded_16bit:
+        dtype = torch.float16 if s.precision == "fp16" else torch.bfloat16
     # flash-attention-2 may not be installed here (planning for a GPU). transformers runs it without a
     # mask on packed rows (varlen) and with native GQA; SDPA's flash kernel, run without a mask below,
     # keeps the same output and fp32 log-sum-exp, so it stands in for it.

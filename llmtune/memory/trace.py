@@ -8,6 +8,7 @@ loss, optimizer step), so that a trace of a few layers can be extrapolated to ma
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
@@ -22,7 +23,7 @@ from llmtune.memory.counter import SegmentPeak, TraceCounter
 from llmtune.memory.kernels import CudaKernels, parameter_count
 from llmtune.memory.offload import count_saved_inputs, offload_saved_inputs
 from llmtune.memory.settings import Settings
-from llmtune.memory.sharding import Sharding, sharding_plan
+from llmtune.memory.sharding import ModelBytes, Sharding, sharding_plan
 from llmtune.memory.step import build_model, micro_batch, objective_of, step_module, step_optimizer
 from llmtune.model import apply_checkpointing
 from llmtune.objectives import Objective
@@ -51,7 +52,7 @@ def trace_step(config: Any, s: Settings, period: int) -> Trace:
         model, module, opt = _steady_state(config, objective, s)
         trainable = [p for p in model.parameters() if p.requires_grad]
         layers = _decoder_layers(model)
-        plan = _sharding_of(layers, trainable, s)
+        plan = _sharding_of(model, layers, trainable, s)
         state_tensors = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
         totals = {
             "parameters": parameter_count(model),
@@ -86,7 +87,7 @@ def _steady_state(
     model = build_model(config, s)
     # A checkpointed block recomputes its forward in backward: with CUDA's kernels too. Offloading is traced
     # by hooks of our own (`offload_saved_inputs`): transformers' would copy fake tensors to pinned memory.
-    recompute = CudaKernels if s.device == "cuda" else None
+    recompute = functools.partial(CudaKernels, _sdpa_capability(s)) if s.device == "cuda" else None
     apply_checkpointing(model, replace(s.checkpointing, offload=False), recompute=recompute)
     model.train()
     # The module the training loop runs (and refuses what it refuses, with the same message).
@@ -102,16 +103,33 @@ def _steady_state(
     return model, module, opt
 
 
+def _sdpa_capability(s: Settings) -> tuple[int, int] | None:
+    """The card's compute capability as torch's SDPA rules read it; flash-attention-2 (which SDPA's flash kernel
+    stands in for) has rules of its own, and runs its backward on consumer cards at any head dim up to 256."""
+    return None if s.attn_implementation == "flash_attention_2" else s.compute_capability
+
+
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _sharding_of(layers: torch.nn.ModuleList | None, trainable: list[torch.nn.Parameter], s: Settings) -> Sharding:
-    """The sharding plan, sized by the largest layer's weights and gradients."""
-    layer_bytes = max((_nbytes(m.parameters()) for m in layers or []), default=0)
-    layer_grad_bytes = max((_nbytes(p for p in m.parameters() if p.requires_grad) for m in layers or []), default=0)
-    grad_bytes = _nbytes(trainable)
-    return sharding_plan(s.sharding, s.num_processes, layer_bytes, layer_grad_bytes, grad_bytes, s.ddp_bucket_view)
+def _sharding_of(
+    model: torch.nn.Module, layers: torch.nn.ModuleList | None, trainable: list[torch.nn.Parameter], s: Settings
+) -> Sharding:
+    """The sharding plan, sized by the model's and its layers' weights and gradients."""
+    layers = list(layers or [])
+    model_bytes = _nbytes(model.parameters())
+    return sharding_plan(
+        s,
+        ModelBytes(
+            weights=model_bytes,
+            trainable=_nbytes(trainable),
+            layers=len(layers),
+            layer=max((_nbytes(m.parameters()) for m in layers), default=0),
+            layer_grads=max((_nbytes(p for p in m.parameters() if p.requires_grad) for m in layers), default=0),
+            root=model_bytes - sum(_nbytes(m.parameters()) for m in layers),
+        ),
+    )
 
 
 def _counter(model: torch.nn.Module, plan: Sharding, s: Settings) -> TraceCounter:
@@ -222,13 +240,13 @@ def _run_step(
     """Forward, backward and the optimizer step, each in its phase with the sharding buffers it holds."""
     autocast = (
         torch.autocast("cpu", dtype=torch.bfloat16 if s.precision == "bf16" else torch.float16)
-        if s.precision in ("bf16", "fp16")
+        if s.precision in ("bf16", "fp16") and not s.sharded_16bit
         else nullcontext()
     )
     counter.phase, counter.tag = "forward", "activations"
     counter.extra_bytes = plan.always_extra + plan.fwd_bwd_extra
     counter.set_segment("pre")
-    with autocast, CudaKernels() if s.device == "cuda" else nullcontext():
+    with autocast, CudaKernels(_sdpa_capability(s)) if s.device == "cuda" else nullcontext():
         step_loss = module(**batch).reshape(-1)[0]  # preference: [loss, *statistics]
         if s.precision == "fp16":
             step_loss = step_loss * 65536.0  # GradScaler's scaled loss: a scalar
