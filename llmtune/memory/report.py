@@ -109,8 +109,7 @@ def format_frontier(plan: BatchPlan) -> list[str]:
                 c["predicted_peak"] or "-",
                 f"{speed / top:.2f}" if nominal else f"{speed:,.0f}",
                 {True: "yes", False: "no", None: "-"}[c["fits"]],
-                ("<- chosen " if is_chosen(c) else "")
-                + (f"(pins {format_bytes(c['pinned_host_bytes'])} of host memory)" if c.get("pinned_host_bytes") else ""),
+                ("<- chosen " if is_chosen(c) else "") + _pinned(c),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
@@ -126,3 +125,8 @@ def format_frontier(plan: BatchPlan) -> list[str]:
             + (f"  {r[5]}" if r[5] else "")
         )
     return lines
+
+
+def _pinned(c: dict[str, Any]) -> str:
+    pinned = c.get("pinned_host_bytes")
+    return f"(pins {format_bytes(pinned)} of host memory)" if pinned else ""
