@@ -126,8 +126,10 @@ def tokenizer(tokenizer_dir):
 
 
 def write_tiny_model(folder: Path, **config) -> Path:
-    """A tokenizer plus a tiny Llama config (no weights: recipes set model.random_init)."""
-    from transformers import LlamaConfig
+    """A tiny Llama saved as a user's checkpoint is: tokenizer, config and weights (seeded), which runs load back
+    through `from_pretrained`, as users do (recipes that test `model.random_init` set it)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_tokenizer(folder)
     defaults = dict(
@@ -139,9 +141,10 @@ def write_tiny_model(folder: Path, **config) -> Path:
         max_position_embeddings=256,
         tie_word_embeddings=False,
     )
-    LlamaConfig(
-        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **{**defaults, **config}
-    ).save_pretrained(folder)
+    llama = LlamaConfig(**{"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id, **defaults, **config})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(llama).save_pretrained(folder)
     return folder
 
 
@@ -178,7 +181,7 @@ def write_recipe(path: Path, model_dir: Path, data: Path, **overrides) -> Path:
     recipe = {
         "output_dir": str(path.parent / "run"),
         "seed": 0,
-        "model": {"name_or_path": str(model_dir), "random_init": True},
+        "model": {"name_or_path": str(model_dir)},
         "data": {"train": [{"path": str(data)}], "max_length": 48},
         "training": {
             "precision": "fp32",

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 class Ctx:
     tmp: Path
     recipe: Path  # a valid tiny recipe; its output_dir is tmp/run
-    model: Path  # the tiny model folder (config + tokenizer, no weights)
+    model: Path  # the tiny model folder (tokenizer, config, weights)
     data: Path  # valid prompt/completion rows
 
     def file(self, name: str, content: str | bytes) -> Path:
@@ -146,7 +146,10 @@ CASES: dict[str, Case] = {
     "offline-train-model": with_recipe("train", "model.name_or_path=some-org/some-model", named="some-org/some-model"),
     "offline-data-tokenizer": with_recipe("data", "model.tokenizer=some-org/some-tok", named="some-org/some-tok"),
     "offline-estimate-config": with_recipe("estimate", "--config", "some-org/some-model", named="some-org/some-model"),
-    "chat-model-folder-without-weights": lambda c: (["chat", "--run", str(c.model)], str(c.model)),
+    "chat-model-folder-without-weights": lambda c: (
+        ["chat", "--run", str(c.folder("no-weights", "config.json", "tokenizer.json", "tokenizer_config.json"))],
+        "no-weights",
+    ),
     "merge-run-missing": lambda c: (["merge", "--run", str(c.tmp / "no-run")], "no-run"),
     "merge-not-a-run": lambda c: (["merge", "--run", str(c.folder("not-a-run"))], "not-a-run"),
     "merge-bad-dtype": lambda c: (["merge", "--run", str(c.tmp), "--dtype", "fp8"], "--dtype"),

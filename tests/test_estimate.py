@@ -121,10 +121,7 @@ def wide_vocab_model(tmp_path_factory) -> Path:
     at the peak for the data's trained share to move the plan (the tiny model's 400 do not)."""
     from conftest import write_tiny_model
 
-    folder = write_tiny_model(tmp_path_factory.mktemp("wide_vocab"))
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(config | {"vocab_size": 32_000}))
-    return folder
+    return write_tiny_model(tmp_path_factory.mktemp("wide_vocab"), vocab_size=32_000)
 
 
 def _estimate_json(capsys, recipe: Path, *args: str) -> dict:

@@ -93,7 +93,7 @@ def test_lora_run_on_random_base_loads_with_plain_peft(tiny_recipe, capsys, capl
 
     from llmtune.model import peft_quietly
 
-    run = train(tiny_recipe(peft__method="lora", peft__rank=4, peft__alpha=8.0), caplog)
+    run = train(tiny_recipe(model__random_init=True, peft__method="lora", peft__rank=4, peft__alpha=8.0), caplog)
     final = run / "final"
     adapter_config = json.loads((final / "adapter_config.json").read_text())
     assert Path(adapter_config["base_model_name_or_path"]) == (final / "base").resolve()

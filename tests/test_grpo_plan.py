@@ -375,7 +375,7 @@ def test_estimate_shows_the_generation_phase_beside_the_training_step(tmp_path, 
     recipe.write_text(
         json.dumps(
             {
-                "model": {"name_or_path": str(tiny_model_dir), "random_init": True},
+                "model": {"name_or_path": str(tiny_model_dir)},
                 "data": {"train": [{"path": str(prompts), "format": "prompt"}], "max_length": 48},
                 "training": {"objective": "grpo", "precision": "fp32", "global_batch_size": 16,
                              "micro_batch_size": 4, "gradient_checkpointing": True},

@@ -43,7 +43,6 @@ def recipe_of(tiny_recipe, model_dir, tmp_path):  # noqa: F811 (the fixture impo
         data = [{"path": str(pairs), "format": "preference"}] if objective != "sft" else None
         defaults = {
             "model__name_or_path": str(model_dir),
-            "model__random_init": False,
             "training__objective": objective,
             "training__max_steps": 1,
             "training__micro_batch_size": 1,
@@ -375,9 +374,9 @@ def test_zero3_dpo_computes_the_precomputed_reference_through_the_sharded_model(
 def test_grpo_samples_and_trains_on_the_training_device(
     engine, reference, beta, method, recipe_of, on_device, on_engine, tmp_path
 ):
-    """GRPO's setup, its first batch's sampling (generate with a KV cache, through the prepared module) and the first
-    forward on the completions, on the training device: with no reference, a frozen copy (full fine-tuning) or the
-    adapters switched off (LoRA)."""
+    """GRPO's setup, its first batch's sampling (generate with a KV cache, through the prepared module), the old
+    log-probs kept for num_iterations > 1, and the first forward on the completions, on the training device: with
+    no reference, a frozen copy (full fine-tuning) or the adapters switched off (LoRA)."""
     from test_grpo import write_prompts
 
     prompts = write_prompts(tmp_path / "prompts.jsonl", n=8)
@@ -393,6 +392,7 @@ def test_grpo_samples_and_trains_on_the_training_device(
             "num_generations": 2,
             "max_new_tokens": 4,
             "beta": beta,
+            "num_iterations": 2,  # the old log-probs too, through the prepared module
             "rewards": [{"function": "llmtune.rewards:exact_match"}],
         },
     )

@@ -521,7 +521,7 @@ def test_a_base_retrained_into_the_same_folder_is_a_new_reference(tiny_recipe, t
 
     save_base(0)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(base)
-    recipe = preference_recipe(tiny_recipe, pairs_file, training__max_steps=1, model__random_init=False)
+    recipe = preference_recipe(tiny_recipe, pairs_file, training__max_steps=1)
     from_disk = [f"model.name_or_path={base}", "checkpoint.resume=none"]
     train_recipe(recipe, *from_disk)
     save_base(1)  # retrained: other weights in the same files

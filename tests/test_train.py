@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmtune.cli import main
 from llmtune.model import resolve_precision
@@ -156,7 +156,6 @@ def test_checkpointing_lowers_measured_peak_memory(tiny_recipe, tmp_path):
 
 
 def test_auto_micro_batch_fits_the_budget_and_keeps_the_global_batch(tiny_recipe, tiny_model_dir):
-    from transformers import AutoConfig
 
     from llmtune.memory.estimate import estimate
 
@@ -230,20 +229,13 @@ def test_quickstart_smoke_run_of_one_step(tmp_path, caplog):
         assert json.loads((tmp_path / run / "run_summary.json").read_text())["steps"] == 1
 
 
-def test_a_pretrained_model_trains_in_training_mode(tiny_recipe, tmp_path):
+def test_a_pretrained_model_trains_in_training_mode(tiny_recipe):
     """from_pretrained returns a model in eval mode, where transformers skips gradient checkpointing and
     dropout; the loop used to train so until its first evaluation (the preference demo peaked at 2.2x)."""
     from llmtune.recipe import load_recipe
     from llmtune.train import build, fit
 
-    saved = tmp_path / "pretrained"
-    base = load_recipe(tiny_recipe())
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base.model.name_or_path)).save_pretrained(saved)
-    AutoTokenizer.from_pretrained(base.model.name_or_path).save_pretrained(saved)
-    recipe = load_recipe(
-        tiny_recipe(model__name_or_path=str(saved), model__random_init=False, training__gradient_checkpointing=True)
-    )
-    run = build(recipe)
+    run = build(load_recipe(tiny_recipe(training__gradient_checkpointing=True)))  # the tiny model, from its folder
     modes = []
     hf_model = run.model.model
     hf_model.model.layers[0].register_forward_pre_hook(lambda m, _a: modes.append(m.training))
