@@ -107,9 +107,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     where = dict(device=target.device, budget_bytes=target.budget_bytes, num_processes=args.num_processes)
     if args.host_memory:  # a node's, shared by its processes (at most 8 GPUs a node)
         where["host_bytes"] = parse_bytes(args.host_memory) // min(args.num_processes, 8)
-    engines = _ranked_engines(recipe, config, args, where | dict(trained_fraction=fraction, gpu=args.gpu))
-    sharding = engines[0].sharding if engines else "none" if args.sharding == "auto" else args.sharding
-    plan, settings = plan_recipe(recipe, config, **where, sharding=sharding, trained_fraction=fraction, gpu=args.gpu)
+    where |= dict(trained_fraction=fraction, gpu=args.gpu)
+    engines = _ranked_engines(recipe, config, args, where)
+    if engines:  # the fastest engine's plan, as ranked
+        plan, settings = engines[0].plan, engines[0].settings
+    else:
+        sharding = "none" if args.sharding == "auto" else args.sharding
+        plan, settings = plan_recipe(recipe, config, **where, sharding=sharding)
     if data is not None:
         data |= _planned_share(data, settings["trained_fraction"], recipe.training.objective)
     if args.plot:

@@ -23,6 +23,7 @@ from llmtune.memory import (
     host_budget,
     plan_for_budget,
     plan_rates,
+    planned_precision,
     resolve_budget,
 )
 from llmtune.model import SetupError
@@ -99,12 +100,14 @@ ENGINES: dict[str, str] = {
 
 @dataclass(frozen=True)
 class EngineChoice:
-    """One engine's plan for a launch (None where nothing fits, or llmtune refuses the engine for the recipe: `why`)."""
+    """One engine's plan for a launch (None where nothing fits, or llmtune refuses the engine for the recipe: `why`)
+    and the estimator settings it was planned with (`plan_recipe`'s)."""
 
     engine: str
     sharding: str
     plan: BatchPlan | None
     why: str = ""
+    settings: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         p = self.plan
@@ -126,17 +129,16 @@ def plan_engines(recipe: Recipe, config: Any, *, device: str, num_processes: int
     from llmtune.launch import check_engine
     from llmtune.objectives import objective_for
 
-    loss = resolve_loss_impl(recipe.training.loss, config)
-    precision = estimate_settings(recipe, loss=loss, device=device, precision=kwargs.get("precision"))["precision"]
+    precision = kwargs.get("precision") or planned_precision(recipe.training.precision, device)
     rates = plan_rates(device, precision, config, gpu=kwargs.get("gpu"), tf32=recipe.training.tf32)
     choices = []
     for engine, sharding in ENGINES.items():
         try:
             check_engine(recipe, engine.split()[0], objective_for(recipe))
-            plan, _ = plan_recipe(
+            plan, settings = plan_recipe(
                 recipe, config, device=device, num_processes=num_processes, sharding=sharding, rates=rates, **kwargs
             )
-            choices.append(EngineChoice(engine, sharding, plan, "" if plan.fits else "over the budget"))
+            choices.append(EngineChoice(engine, sharding, plan, "" if plan.fits else "over the budget", settings))
         except (MemoryPlanError, SetupError) as err:
             choices.append(EngineChoice(engine, sharding, None, str(err)))
     return sorted(choices, key=_engine_order)

@@ -23,6 +23,7 @@ from llmtune.memory.from_recipe import (
     expandable_segments,
     plan_for_budget,
     plan_rates,
+    planned_precision,
     recipe_for_model,
     training_rows,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "plan_for_budget",
     "plan_micro_batch",
     "plan_rates",
+    "planned_precision",
     "planning_target",
     "recipe_for_model",
     "resolve_budget",

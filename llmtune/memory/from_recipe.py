@@ -26,6 +26,16 @@ from llmtune.recipe import DataConfig, ModelConfig, PeftConfig, Recipe, Training
 from llmtune.timing import NOMINAL_RATES, Rates
 
 
+def planned_precision(recipe_precision: str, device: str) -> str:
+    """The mode a plan for `device` assumes: the recipe's `auto` as bf16 on CUDA (planning for a GPU that may not be
+    this machine's; every GPU worth planning for has it), as the local CPU's choice otherwise."""
+    from llmtune.model import resolve_precision
+
+    if device == "cuda":
+        return "bf16" if recipe_precision == "auto" else recipe_precision
+    return resolve_precision(recipe_precision, device)
+
+
 def estimate_settings(
     recipe: Recipe,
     *,
@@ -43,16 +53,10 @@ def estimate_settings(
     without it (`llmtune estimate`) every token is taken as trained, the upper bound. The rows' length, layout and
     trained share are `training_rows`' (grpo's: prompt + completion rows).
 
-    `precision` is the resolved mode; left out, the recipe's `auto` is taken as bf16 on CUDA (every GPU
-    worth planning for has it) and as the local CPU's choice otherwise.
+    `precision` is the resolved mode; left out, `planned_precision`'s.
     """
-    from llmtune.model import resolve_precision
-
     t, peft = recipe.training, recipe.peft
-    if precision is None and device == "cuda":  # planning for a GPU that may not be this machine's
-        precision = "bf16" if t.precision == "auto" else t.precision
-    elif precision is None:
-        precision = resolve_precision(t.precision, device)
+    precision = precision or planned_precision(t.precision, device)
     lora = None
     if peft.method != "none":
         target = peft.target_modules if isinstance(peft.target_modules, str) else tuple(peft.target_modules)
