@@ -156,7 +156,6 @@ def test_checkpointing_lowers_measured_peak_memory(tiny_recipe, tmp_path):
 
 
 def test_auto_micro_batch_fits_the_budget_and_keeps_the_global_batch(tiny_recipe, tiny_model_dir):
-
     from llmtune.memory.estimate import estimate
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
