@@ -46,8 +46,9 @@ train-dpo: install
 	$(PY) scripts/eval_accuracy.py --model runs/quickstart-dpo/final --data assets/quickstart/eval.jsonl
 
 # GRPO on top of the quickstart (recipes/quickstart-grpo.yaml): the SFT model's own answers, rewarded by the exact
-# answer; the SFT model is trained first when missing; both are scored, with 1000 fresh addition questions too.
-EVAL_GRPO := --data assets/quickstart/eval.jsonl --fresh-addition 1000 --exclude assets/quickstart/train.jsonl
+# answer; the SFT model is trained first when missing; both are scored, with 3000 addition questions in no file too.
+EVAL_GRPO := --data assets/quickstart/eval.jsonl --fresh-addition 3000 \
+	--exclude assets/quickstart/train.jsonl assets/quickstart/grpo.jsonl
 train-grpo: install
 	test -f runs/quickstart/final/config.json || $(MAKE) train
 	rm -rf runs/quickstart-grpo

@@ -1,7 +1,8 @@
 """Generate the embedded default: a tiny Llama config, a tokenizer trained offline, and a toy task.
 
 The task is short questions a ~5M-parameter model visibly learns in a few minutes on a laptop CPU:
-two-digit addition, reversing and sorting short letter strings. Everything is deterministic (fixed seed),
+two-digit addition, reversing and sorting short letter strings. `grpo.jsonl` holds addition questions in neither
+train.jsonl nor eval.jsonl, for `make train-grpo` to practise on. Everything is deterministic (fixed seed),
 so running this again reproduces the committed files under assets/quickstart/ byte for byte.
 
     python scripts/make_quickstart.py [--out assets/quickstart]
@@ -37,6 +38,15 @@ def make_example(rng: random.Random) -> dict[str, str]:
     return {"prompt": f"{verb} the letters: {' '.join(letters)}\nAnswer:", "completion": " " + " ".join(answer)}
 
 
+def new_additions(n: int, seen: list[dict[str, str]], rng: random.Random) -> list[dict[str, str]]:
+    """`n` two-digit additions whose question is in none of `seen`: GRPO practises on questions SFT never showed it,
+    so a rise in reward is the model adding better, not recalling the answers it was trained on."""
+    asked = {row["prompt"] for row in seen}
+    pairs = [(a, b) for a in range(100) for b in range(100) if f"What is {a} + {b}?\nAnswer:" not in asked]
+    rng.shuffle(pairs)
+    return [{"prompt": f"What is {a} + {b}?\nAnswer:", "completion": f" {a + b}"} for a, b in pairs[:n]]
+
+
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     # Digits and letters split one per token, so arithmetic and string tasks are learnable at this size.
     tok = Tokenizer(models.BPE())
@@ -58,13 +68,15 @@ def main() -> None:
     parser.add_argument("--out", default="assets/quickstart")
     parser.add_argument("--train", type=int, default=6000)
     parser.add_argument("--eval", type=int, default=200)
+    parser.add_argument("--grpo", type=int, default=2000)
     args = parser.parse_args()
     out = Path(args.out)
     rng = random.Random(0)
     train = [make_example(rng) for _ in range(args.train)]
     eval_ = [make_example(rng) for _ in range(args.eval)]
+    grpo = new_additions(args.grpo, train + eval_, random.Random(1))
     out.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train.jsonl", train), ("eval.jsonl", eval_)):
+    for name, rows in (("train.jsonl", train), ("eval.jsonl", eval_), ("grpo.jsonl", grpo)):
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     tokenizer = train_tokenizer([r["prompt"] + r["completion"] for r in train], vocab_size=512)
