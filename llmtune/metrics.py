@@ -139,6 +139,22 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, size: int, calls: int
     return 2 * size**3 / best
 
 
+# A step's loss and reward are noisy (a GRPO step's reward is a few hundred samples): the printed line gives their
+# mean over the steps since the last line, as the HF Trainer and TRL do; metrics.jsonl keeps every step.
+_WINDOW_MEANS = ("loss", "reward", "completion_length")
+
+
+def _step_line(step: int, values: dict[str, float]) -> str:
+    """The line printed every logging.every_n_steps."""
+    return (
+        f"step {step:>6}  loss {values['loss']:.4f}  lr {values['lr']:.2e}  grad_norm {values['grad_norm']:.3f}"
+        f"  {values['tokens_per_s']:.0f} tok/s  MFU {values['mfu']:.1%}"
+        + (f"  peak {values['peak_memory_bytes'] / 2**20:.0f} MiB" if values["peak_memory_bytes"] else "")
+        # grpo's loss hovers near 0 by construction: its reward is what a person watches
+        + (f"  reward {values['reward']:.3f}  length {values['completion_length']:.1f}" if "reward" in values else "")
+    )
+
+
 class MetricsLogger:
     """Writes one JSON line per optimizer step (main process) and forwards to Accelerate trackers."""
 
@@ -148,6 +164,7 @@ class MetricsLogger:
         self.main = accelerator.is_main_process
         self._steady = [0, 0.0]  # trained tokens, seconds
         self._other = [0, 0.0]
+        self._window: dict[str, list[float]] = {}  # the steps since the last printed line
         # A resumed run appends (its earlier steps stay); a fresh one starts the file over.
         mode = "a" if start_step else "w"
         self._file = open(output_dir / "metrics.jsonl", mode) if self.main else None  # noqa: SIM115
@@ -179,18 +196,14 @@ class MetricsLogger:
         self._write(record)
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['tokens_per_s']:.0f}", refresh=False)
-        if self.main and step % self.every == 0:
-            self._bar.write(
-                f"step {step:>6}  loss {values['loss']:.4f}  lr {values['lr']:.2e}  grad_norm {values['grad_norm']:.3f}"
-                f"  {values['tokens_per_s']:.0f} tok/s  MFU {values['mfu']:.1%}"
-                + (f"  peak {values['peak_memory_bytes'] / 2**20:.0f} MiB" if values["peak_memory_bytes"] else "")
-                # grpo's loss hovers near 0 by construction: its reward is what a person watches
-                + (
-                    f"  reward {values['reward']:.3f}  length {values['completion_length']:.1f}"
-                    if "reward" in values
-                    else ""
-                )
-            )
+        for key in _WINDOW_MEANS:
+            if key in values:
+                self._window.setdefault(key, []).append(values[key])
+        if step % self.every == 0:
+            means = {key: sum(v) / len(v) for key, v in self._window.items()}
+            self._window.clear()
+            if self.main:
+                self._bar.write(_step_line(step, {**values, **means}))
 
     def log_eval(self, step: int, loss: float) -> None:
         record = {"step": step, "eval_loss": loss, "eval_perplexity": float(torch.tensor(loss).exp())}

@@ -218,7 +218,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    every_n_steps: int = doc("Log a line every N steps.", 10)
+    every_n_steps: int = doc("Print a line every N steps, its loss and reward averaged over them.", 10)
     report_to: list[str] = doc("Accelerate trackers: tensorboard, wandb, mlflow, trackio.", factory=list)
     progress_bar: bool = doc("Show a progress bar on the main process.", True)
 

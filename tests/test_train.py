@@ -49,6 +49,8 @@ def test_entry_point_trains_saves_and_reloads(tiny_recipe, tmp_path):
     assert [m["step"] for m in steps] == list(range(1, 9))
     assert all(METRIC_FIELDS <= m.keys() for m in steps)
     assert steps[-1]["loss"] < steps[0]["loss"]
+    printed = [float(loss) for loss in re.findall(r"step +\d+  loss (\S+)", proc.stdout)]
+    assert printed == pytest.approx([sum(m["loss"] for m in steps[i : i + 4]) / 4 for i in (0, 4)], abs=6e-5)
     summary = json.loads((run / "run_summary.json").read_text())
     assert summary["precision"] == resolve_precision("auto", "cpu") and summary["gradient_checkpointing"] is True
     assert f"precision      {summary['precision']} (auto: this CPU has" in proc.stderr  # which, and why
