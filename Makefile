@@ -46,15 +46,15 @@ train-dpo: install
 	$(PY) scripts/eval_accuracy.py --model runs/quickstart-dpo/final --data assets/quickstart/eval.jsonl
 
 # GRPO on top of the quickstart (recipes/quickstart-grpo.yaml): the SFT model's own answers, rewarded by the exact
-# answer; the SFT model is trained first when missing; both are scored, with 3000 addition questions in no file too.
+# answer; the SFT model is trained first when missing; both are scored on the same questions (and 3000 additions in
+# no file), with the change question by question.
 EVAL_GRPO := --data assets/quickstart/eval.jsonl --fresh-addition 3000 \
 	--exclude assets/quickstart/train.jsonl assets/quickstart/grpo.jsonl
 train-grpo: install
 	test -f runs/quickstart/final/config.json || $(MAKE) train
 	rm -rf runs/quickstart-grpo
 	$(PY) scripts/finetune.py --recipe recipes/quickstart-grpo.yaml $(ARGS)
-	$(PY) scripts/eval_accuracy.py --model runs/quickstart/final $(EVAL_GRPO)
-	$(PY) scripts/eval_accuracy.py --model runs/quickstart-grpo/final $(EVAL_GRPO)
+	$(PY) scripts/eval_accuracy.py --model runs/quickstart-grpo/final --against runs/quickstart/final $(EVAL_GRPO)
 
 test: install
 	$(PY) -m pytest -q --durations=25 $(ARGS)  # the slowest tests, for CI's time

@@ -279,16 +279,31 @@ def test_load_run_moves_the_model_to_the_gpu_when_there_is_one(tmp_path, monkeyp
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def eval_accuracy(monkeypatch, capsys, model: Path, rows: list[dict[str, str]], data: Path) -> str:
-    """scripts/eval_accuracy.py run in this process (as `make train` runs it): its first line of output."""
+def eval_accuracy(monkeypatch, capsys, model: Path, rows: list[dict[str, str]], data: Path, *args: str) -> str:
+    """scripts/eval_accuracy.py run in this process (as `make train` runs it): its first line of output, or all of
+    it where `args` asks for more."""
     import runpy
     import sys
 
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    monkeypatch.setattr(sys, "argv", ["eval_accuracy.py", "--model", str(model), "--data", str(data)])
+    monkeypatch.setattr(sys, "argv", ["eval_accuracy.py", "--model", str(model), "--data", str(data), *args])
     capsys.readouterr()
     runpy.run_path(str(ROOT / "scripts" / "eval_accuracy.py"), run_name="__main__")
-    return capsys.readouterr().out.splitlines()[0]
+    out = capsys.readouterr().out
+    return out if args else out.splitlines()[0]
+
+
+def test_eval_against_a_baseline_gives_the_change_with_its_paired_error_bar(tmp_path, tiny_model_dir, monkeypatch,
+                                                                            capsys):  # fmt: skip
+    """`--against` scores a second model on the same questions and reports the change question by question (how
+    `make train-grpo` reports GRPO against the SFT model): the parrot answers the first question right, the untrained
+    model neither, so the change is +1 of 2 and its paired standard error std([1, 0]) / sqrt(2) = 50%."""
+    parrot = write_parrot(tmp_path / "parrot", [2, 5])
+    rows = [{"prompt": PROMPT, "completion": WORD}, {"prompt": PROMPT, "completion": " fox"}]
+    out = eval_accuracy(monkeypatch, capsys, parrot, rows, tmp_path / "eval.jsonl", "--against", str(tiny_model_dir))
+    assert out.splitlines()[0] == "exact-match accuracy on 2 eval rows: 50.0% +/- 35.4%"
+    assert f"against {tiny_model_dir}:\nexact-match accuracy on 2 eval rows: 0.0% +/- 0.0%" in out
+    assert out.splitlines()[-1] == "  tell     +50.0% +/- 50.0%  (2 rows)"
 
 
 def test_a_run_trained_on_alpaca_rows_is_prompted_in_the_alpaca_layout(tiny_recipe, tiny_data, tmp_path, capsys,
