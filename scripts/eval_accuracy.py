@@ -17,6 +17,7 @@ import random
 from pathlib import Path
 
 import torch
+from make_quickstart import new_additions  # scripts/ is this script's folder: on sys.path when it runs
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from llmtune.generate import LoadedRun, Sampling, load_run, on_accelerator, reply
@@ -96,10 +97,7 @@ FRESH = "addition(fresh)"
 def fresh_additions(n: int, seen_rows: list[dict]) -> list[dict]:
     """`n` two-digit additions (0-99 + 0-99, as the quickstart's) whose question is in none of `seen_rows`: more
     held-out addition questions than eval.jsonl's 67, for a tighter error bar. Seeded: the same set every time."""
-    seen = {row["prompt"] for row in seen_rows}
-    pairs = [(a, b) for a in range(100) for b in range(100) if f"What is {a} + {b}?\nAnswer:" not in seen]
-    random.Random(0).shuffle(pairs)
-    return [{"prompt": f"What is {a} + {b}?\nAnswer:", "completion": f" {a + b}", "kind": FRESH} for a, b in pairs[:n]]
+    return [row | {"kind": FRESH} for row in new_additions(n, seen_rows, random.Random(0))]
 
 
 if __name__ == "__main__":

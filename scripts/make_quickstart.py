@@ -29,8 +29,7 @@ SPECIAL = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 def make_example(rng: random.Random) -> dict[str, str]:
     kind = rng.choice(["add", "reverse", "sort"])
     if kind == "add":
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        return {"prompt": f"What is {a} + {b}?\nAnswer:", "completion": f" {a + b}"}
+        return addition(rng.randint(0, 99), rng.randint(0, 99))
     # Letters are spaced so each is its own token: the task is then about order, not about BPE merges.
     letters = [rng.choice(string.ascii_lowercase[:12]) for _ in range(rng.randint(3, 7))]
     answer = letters[::-1] if kind == "reverse" else sorted(letters)
@@ -38,13 +37,18 @@ def make_example(rng: random.Random) -> dict[str, str]:
     return {"prompt": f"{verb} the letters: {' '.join(letters)}\nAnswer:", "completion": " " + " ".join(answer)}
 
 
+def addition(a: int, b: int) -> dict[str, str]:
+    return {"prompt": f"What is {a} + {b}?\nAnswer:", "completion": f" {a + b}"}
+
+
 def new_additions(n: int, seen: list[dict[str, str]], rng: random.Random) -> list[dict[str, str]]:
-    """`n` two-digit additions whose question is in none of `seen`: GRPO practises on questions SFT never showed it,
-    so a rise in reward is the model adding better, not recalling the answers it was trained on."""
+    """`n` two-digit additions whose question is in none of `seen`, drawn by `rng`: GRPO practises on questions SFT
+    never showed it (a rise in reward is then the model adding better, not recalling the answers it was trained on),
+    and eval_accuracy.py scores on questions no file holds."""
     asked = {row["prompt"] for row in seen}
-    pairs = [(a, b) for a in range(100) for b in range(100) if f"What is {a} + {b}?\nAnswer:" not in asked]
-    rng.shuffle(pairs)
-    return [{"prompt": f"What is {a} + {b}?\nAnswer:", "completion": f" {a + b}"} for a, b in pairs[:n]]
+    rows = [row for a in range(100) for b in range(100) if (row := addition(a, b))["prompt"] not in asked]
+    rng.shuffle(rows)
+    return rows[:n]
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:

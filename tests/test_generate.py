@@ -286,6 +286,7 @@ def eval_accuracy(monkeypatch, capsys, model: Path, rows: list[dict[str, str]], 
     import sys
 
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as `python scripts/eval_accuracy.py` has it
     monkeypatch.setattr(sys, "argv", ["eval_accuracy.py", "--model", str(model), "--data", str(data), *args])
     capsys.readouterr()
     runpy.run_path(str(ROOT / "scripts" / "eval_accuracy.py"), run_name="__main__")
