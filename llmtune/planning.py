@@ -178,6 +178,17 @@ def engine_note(choices: list[EngineChoice], launched: str) -> str | None:
     )
 
 
+def engine_advice(
+    recipe: Recipe, config: Any, *, device: str, num_processes: int, launched: str, **kwargs: Any
+) -> str | None:
+    """What `train` logs for a launch on several GPUs whose engine (`launched`, the estimator's sharding name) is not
+    the one `plan_engines` ranks first (`engine_note`). None for one process, and on CPUs: their processes' link is
+    not known, so the engines cannot be ranked."""
+    if num_processes < 2 or device != "cuda":
+        return None
+    return engine_note(plan_engines(recipe, config, device=device, num_processes=num_processes, **kwargs), launched)
+
+
 def plan_run(
     recipe: Recipe, config: Any, precision: str, acc: Accelerator, engine: str, trained_fraction: float = 1.0
 ) -> BatchPlan:
@@ -215,12 +226,9 @@ def plan_run(
             kwargs["host_bytes"] = host_budget(int(os.environ.get("LOCAL_WORLD_SIZE", n)))
         with torch.random.fork_rng(devices=[acc.device] if acc.device.type == "cuda" else []), whole_model_init():
             chosen = plan_recipe(recipe, config, device=device, num_processes=n, sharding=sharding_of(engine), **kwargs)
-            # Several GPUs: would another engine be faster? (On CPUs the processes' link is not known: not asked.)
-            if n > 1 and device == "cuda":
-                ranked = plan_engines(recipe, config, device=device, num_processes=n, **kwargs)
-                note = engine_note(ranked, sharding_of(engine))
-                if note:
-                    log.info(note)
+            note = engine_advice(recipe, config, device=device, num_processes=n, launched=sharding_of(engine), **kwargs)
+            if note:
+                log.info(note)
             return chosen[0]
 
     # The rates are timed on one process's clock and rank the candidates: each process timing its own could choose

@@ -15,7 +15,7 @@ from llmtune.cli import main
 from llmtune.communication import LINK_EFFICIENCY, Traffic, engine_traffic, step_seconds
 from llmtune.memory import BatchPlan, estimate, planning_target, recipe_for_model
 from llmtune.model import resolve_config
-from llmtune.planning import EngineChoice, engine_note, plan_engines
+from llmtune.planning import EngineChoice, engine_advice, engine_note, plan_engines
 from llmtune.timing import Rates, Work, datasheet_rates
 
 GB = 1e9
@@ -167,6 +167,24 @@ def test_the_planner_shards_what_ddp_cannot_hold():
     by_engine = {c.sharding: c for c in full}
     assert by_engine["none"].plan is None and "over the budget" in by_engine["none"].why  # 16 bytes/param: 51 GB
     assert full[0].sharding in ("fsdp", "zero3") and full[0].plan.fits
+
+
+def test_train_advises_a_multi_gpu_launch_whose_engine_the_planner_would_not_take():
+    """`plan_run`'s advice (`engine_advice`): a full fine-tune DDP cannot hold, launched with DDP on 4 GPUs, is told
+    the sharded engine the planner ranks first; the planner's own engine, one process or CPUs get no advice."""
+    config = resolve_config("llama-3.2-3b")
+    recipe = recipe_for_model("llama-3.2-3b", config, method="full", seq_len=512, device="cuda")
+    budget = planning_target(device_memory=None, gpu="l4", device=None, recipe_budget="auto").budget_bytes
+
+    def advice(launched: str, device: str = "cuda", n: int = 4) -> str | None:
+        return engine_advice(recipe, config, device=device, num_processes=n, launched=launched, budget_bytes=budget,
+                             gpu="l4")  # fmt: skip
+
+    best = _ranked("llama-3.2-3b", "full", "l4", 4, seq_len=512)[0]
+    note = advice("none")
+    assert note is not None and f"would launch {best.engine}:" in note and "over budget" in note
+    assert advice(best.sharding) is None
+    assert advice("none", device="cpu") is None and advice("none", n=1) is None
 
 
 def test_on_pcie_cards_fsdp2_pays_for_gathering_a_lora_base_and_amortises_it_over_a_larger_micro_batch():
