@@ -14,10 +14,11 @@ The step itself is benchmarks.memory's (the model, loss module, optimizer and co
 builds them); the estimate is `estimate(...)` with the planner's settings for the same recipe, default
 `max_traced_layers=4`, so the 8-12 layer models here are traced at 1 and 2 layer periods and extrapolated.
 
-Found (benchmarks/results/memory_independent_cpu.json): fp32 steps agree to the byte; checkpointed steps are
-under-estimated by 5056 bytes per checkpointed layer alive at the peak -- the CPU RNG state
-(`torch.get_rng_state()`) that torch.utils.checkpoint saves per layer (preserve_rng_state): it is made without
-an ATen op, so no dispatch-mode counter (the estimator's, benchmarks.memory's StorageHighWater) sees it.
+Found (benchmarks/results/memory_independent_cpu.json): the steps agree to the byte but for gemma2 (256 bytes
+under, both precisions). Until 2026-12-06 checkpointed steps were under by 5056 bytes per checkpointed layer
+alive at the peak: the CPU RNG state (`torch.get_rng_state()`) torch.utils.checkpoint keeps per layer
+(preserve_rng_state), made without an ATen op, which no dispatch-mode counter sees; the estimator's trace now
+counts it (`llmtune.memory.trace`), benchmarks.memory's StorageHighWater still does not.
 """
 
 from __future__ import annotations

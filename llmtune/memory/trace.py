@@ -65,7 +65,7 @@ def trace_step(config: Any, s: Settings, period: int) -> Trace:
         batch = {k: fake.from_tensor(v) for k, v in inputs.items()}
         _register_states(counter, model, module, state_tensors, batch, s)
         handles = _segment_hooks(counter, model, trainable, layers or [], period)
-        with _hooks(handles), counter:
+        with _hooks(handles), counter, _counted_rng_states(counter) if s.device == "cpu" else nullcontext():
             _run_step(counter, module, opt, batch, plan, s)
     overhead = 0
     if s.device == "cuda":
@@ -275,6 +275,25 @@ def _no_packed_mask() -> Iterator[None]:
         yield
     finally:
         mu.find_packed_sequence_indices = original
+
+
+@contextmanager
+def _counted_rng_states(counter: TraceCounter) -> Iterator[None]:
+    """Checkpointing keeps the CPU generator's state (5056 bytes) from each checkpointed call to its recomputation.
+    `torch.get_rng_state` makes it outside the dispatcher, where the counter does not see it: counted here. Only
+    on a CPU device: on a GPU it is host memory, beside the device's own state (also kept on the host)."""
+    original = torch.get_rng_state
+
+    def counted() -> torch.Tensor:
+        state = original()
+        counter.register(state)
+        return state
+
+    torch.get_rng_state = counted
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
 
 
 @contextmanager
