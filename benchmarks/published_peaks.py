@@ -59,6 +59,7 @@ def estimate_kwargs(settings: dict[str, Any]) -> dict[str, Any]:
             dropout=bool(lora["dropout"]),
             alpha=lora["alpha"],
             method=lora["method"],
+            dtype=lora.get("dtype", "fp32"),
         )
     return kwargs
 

@@ -390,6 +390,15 @@ def apply_peft(model: PreTrainedModel, cfg: PeftConfig, *, gradient_checkpointin
         return get_peft_model(model, lora)
 
 
+def cast_trained(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every trained parameter (adapters, DoRA's magnitudes, modules_to_save) to `dtype`, in place and keeping each
+    parameter's identity (ties, hooks): `peft.adapter_dtype` bf16, before the optimizer is built. The memory
+    estimator calls it on its fake model too."""
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts; `parameters()` yields tied weights once."""
     params = list(model.parameters())

@@ -146,13 +146,14 @@ class BF16AdamW(torch.optim.Optimizer):
         return loss
 
 
-def optimizer_choice(optimizer: str, precision: str, peft_method: str) -> str:
+def optimizer_choice(optimizer: str, precision: str, peft_method: str, adapter_dtype: str = "fp32") -> str:
     """What `make_optimizer` builds for `training.optimizer` at this precision, by `build_optimizer`'s names (the
-    memory estimator's): AdamW on bf16 weights (bf16-true without adapters; adapters are fp32) is BF16AdamW,
-    "adamw_bf16"; on any other weights the fused AdamW, "adamw_fused"; adamw_8bit as asked."""
+    memory estimator's): AdamW on bf16 weights (bf16-true without adapters, or with `peft.adapter_dtype` bf16) is
+    BF16AdamW, "adamw_bf16"; on any other weights the fused AdamW, "adamw_fused"; adamw_8bit as asked."""
     if optimizer != "adamw":
         return optimizer
-    return "adamw_bf16" if precision == "bf16-true" and peft_method == "none" else "adamw_fused"
+    bf16_trained = peft_method == "none" or adapter_dtype == "bf16"
+    return "adamw_bf16" if precision == "bf16-true" and bf16_trained else "adamw_fused"
 
 
 def make_optimizer(model: torch.nn.Module, recipe: Recipe, device: torch.device) -> torch.optim.Optimizer:

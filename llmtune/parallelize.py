@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 from llmtune import parallel
 from llmtune.memory import BatchPlan
 from llmtune.metrics import ModelFlops, model_flops
-from llmtune.model import apply_checkpointing, apply_peft, compile_blocks, count_parameters
+from llmtune.model import apply_checkpointing, apply_peft, cast_trained, compile_blocks, count_parameters
 from llmtune.objectives import Objective
 from llmtune.optim import make_optimizer
 from llmtune.recipe import Checkpointing, Recipe, checkpointing_of
@@ -75,6 +75,8 @@ def adapt(model: PreTrainedModel, recipe: Recipe, checkpointing: Checkpointing |
     apply_checkpointing(model, checkpointing)
     if recipe.peft.method != "none":
         model = apply_peft(model, recipe.peft, gradient_checkpointing=checkpointing.enabled)
+        if recipe.peft.adapter_dtype == "bf16":
+            cast_trained(model, torch.bfloat16)
     if recipe.training.compile:
         compile_blocks(model)
     return model

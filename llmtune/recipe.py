@@ -235,6 +235,13 @@ class PeftConfig:
     modules_to_save: list[str] = doc(
         "Modules trained fully alongside adapters (e.g. embed_tokens, lm_head).", factory=list
     )
+    adapter_dtype: Literal["fp32", "bf16"] = doc(
+        "The trained parameters' dtype. fp32: peft's default, also under a bf16 base. bf16 (training.precision"
+        " bf16-true only): as litgpt's and torchtune's bf16 runs train them; each adapter then computes on its bf16"
+        " input instead of an fp32 copy (Llama-3.1-8B, every linear layer, 2048 tokens: a third less activation"
+        " memory, by the estimate), and BF16AdamW keeps the updates by stochastic rounding.",
+        "fp32",
+    )
 
 
 # preference.beta where a recipe leaves it unset: each method's own value. One key, three meanings: SimPO's beta
@@ -670,6 +677,13 @@ def _check_values(r: Recipe) -> list[tuple[str, str]]:
     need(r.checkpoint.every_n_steps >= 0, "checkpoint.every_n_steps", "must be >= 0")
     need(r.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     need(r.logging.every_n_steps >= 1, "logging.every_n_steps", "must be >= 1")
+    if r.peft.adapter_dtype == "bf16":
+        need(r.peft.method != "none", "peft.adapter_dtype", "applies to adapters: set peft.method")
+        need(
+            t.precision == "bf16-true",
+            "peft.adapter_dtype",
+            f"bf16 needs training.precision bf16-true, not {t.precision}: mixed precision trains fp32 weights",
+        )
     problems += _check_objective(r)
     problems += _check_grpo(r)
     if r.memory.budget != "auto":

@@ -94,6 +94,23 @@ def test_a_fixed_micro_batch_is_estimated_as_given_with_whether_it_fits(capsys):
     assert "micro-batch 1 x" in out and "DOES NOT FIT" in out
 
 
+def test_the_recipes_adapter_dtype_reaches_the_estimate(tiny_recipe, capsys):
+    """`llmtune estimate --recipe` plans the adapters in the dtype training gives them (`peft.adapter_dtype`):
+    bf16 adapters keep bf16 inputs and states, so the same step peaks lower, and AdamW is BF16AdamW."""
+    recipe = tiny_recipe(training__precision="bf16-true", peft__method="lora", training__micro_batch_size=4)
+
+    def planned(adapter_dtype: str) -> dict:
+        args = ["--json", "--device", "cpu", "--device-memory", "24GiB", f"peft.adapter_dtype={adapter_dtype}"]
+        return _estimate_json(capsys, recipe, *args)
+
+    fp32, bf16 = planned("fp32"), planned("bf16")
+    assert (fp32["estimate"]["settings"]["optimizer"], bf16["estimate"]["settings"]["optimizer"]) == (
+        "adamw_fused",
+        "adamw_bf16",
+    )
+    assert bf16["predicted_peak_bytes"] < fp32["predicted_peak_bytes"]
+
+
 @pytest.mark.parametrize("sdpa", ["as installed", "patched out"])
 def test_a_model_without_sdpa_is_planned_with_eager_attention(tmp_path, capsys, monkeypatch, sdpa):
     """Gemma-2 has an SDPA path in transformers 5.17 (our floor) and none in 5.25: the plan follows the class's own

@@ -18,7 +18,7 @@ from llmtune.loss import CausalLMWithLoss
 from llmtune.memory import MemoryPlanError, default_budget, plan_micro_batch
 from llmtune.memory.estimate import LoraSpec, estimate
 from llmtune.memory.measure import PeakMemoryTracker
-from llmtune.model import apply_checkpointing
+from llmtune.model import apply_checkpointing, cast_trained
 from llmtune.optim import BF16AdamW
 from llmtune.recipe import Checkpointing
 from llmtune.units import format_bytes, parse_bytes
@@ -100,6 +100,8 @@ def measured_peak(
         model = get_peft_model(
             model, LoraConfig(r=lora.rank, target_modules=lora.target_modules, task_type="CAUSAL_LM")
         )
+        if lora.dtype == "bf16":
+            cast_trained(model, torch.bfloat16)  # as training does (`parallelize.adapt`)
     if not isinstance(checkpointing, Checkpointing):
         checkpointing = Checkpointing(1 if checkpointing else 0)
     apply_checkpointing(model, checkpointing)
@@ -154,12 +156,23 @@ def test_estimate_matches_measured_peak(arch: str, precision: str, checkpointing
         dict(precision="bf16-true", checkpointing=False),
         dict(precision="bf16-true", checkpointing=False, optimizer="adamw_bf16"),
         dict(precision="bf16", checkpointing=True, lora=LoraSpec(rank=8)),
+        dict(precision="bf16-true", checkpointing=False, lora=LoraSpec(rank=8, dtype="bf16"), optimizer="adamw_bf16"),
         dict(precision="fp32", checkpointing=False, chunked=True),
         dict(precision="fp32", checkpointing=False, accum=2),
         dict(precision="fp32", checkpointing=False, layout="padded"),
         dict(precision="fp32", checkpointing=True, layout="padded", chunked=True),
     ],
-    ids=["eager", "bf16-true", "bf16-true-adamw-bf16", "lora", "chunked-loss", "grad-accum", "padded", "padded-ckpt"],
+    ids=[
+        "eager",
+        "bf16-true",
+        "bf16-true-adamw-bf16",
+        "lora",
+        "lora-bf16-adapters",
+        "chunked-loss",
+        "grad-accum",
+        "padded",
+        "padded-ckpt",
+    ],
 )
 def test_estimate_matches_measured_peak_options(kw: dict) -> None:
     cfg = tiny_config("llama")

@@ -187,13 +187,23 @@ def test_final_holds_the_adapter_only(trained, base_dir):
     assert adapter_config["base_model_name_or_path"] == str(base_dir) and adapter_config["r"] == RANK
 
 
-def test_bf16_true_keeps_adapters_in_fp32(tmp_path, base_dir, tiny_data):
-    # bf16-true stores the frozen base in bf16; the adapters must still train in fp32 (peft's autocast_adapter_dtype).
-    run = build(load_recipe(write_recipe(tmp_path, base_dir, tiny_data, training__precision="bf16-true")))
+@pytest.mark.parametrize("adapter_dtype", ["fp32", "bf16"])
+def test_bf16_true_keeps_adapters_in_fp32_unless_asked_for_bf16(tmp_path, base_dir, tiny_data, adapter_dtype):
+    """bf16-true stores the frozen base in bf16; the adapters train in fp32 (peft's autocast_adapter_dtype), or in
+    bf16 with `peft.adapter_dtype` bf16, then under BF16AdamW (stochastic rounding) and saved as bf16."""
+    from llmtune.optim import BF16AdamW
+
+    recipe = write_recipe(
+        tmp_path, base_dir, tiny_data, training__precision="bf16-true", peft__adapter_dtype=adapter_dtype
+    )
+    run = build(load_recipe(recipe))
     model = peft_model(run)
     assert model.get_base_model().model.embed_tokens.weight.dtype == torch.bfloat16
     trainable = [p for p in model.parameters() if p.requires_grad]
-    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[adapter_dtype]
+    assert trainable and all(p.dtype == dtype for p in trainable)
+    optimizer = getattr(run.optimizer, "optimizer", run.optimizer)  # accelerate's wrapper holds it
+    assert isinstance(optimizer, BF16AdamW) == (adapter_dtype == "bf16")
 
 
 # ---------------------------------------------------------------- gradients under checkpointing

@@ -91,6 +91,15 @@ def test_warmup_longer_than_the_run_is_allowed_but_not_negative(tmp_path):
         load_recipe(path, ["training.warmup_steps=-1"])
 
 
+def test_bf16_adapters_need_adapters_and_a_bf16_true_run(tmp_path):
+    path = write(tmp_path / "r.yaml", {**MINIMAL, "peft": {"method": "lora", "adapter_dtype": "bf16"}})
+    with pytest.raises(RecipeError, match=r"`peft.adapter_dtype` bf16 needs training.precision bf16-true, not auto"):
+        load_recipe(path)
+    assert load_recipe(path, ["training.precision=bf16-true"]).peft.adapter_dtype == "bf16"
+    with pytest.raises(RecipeError, match=r"`peft.adapter_dtype` applies to adapters: set peft.method"):
+        load_recipe(path, ["training.precision=bf16-true", "peft.method=none"])
+
+
 def test_missing_required_key(tmp_path):
     path = write(tmp_path / "r.yaml", {"data": MINIMAL["data"]})
     with pytest.raises(RecipeError, match="missing required key `model`"):

@@ -245,17 +245,24 @@ def test_a_pretrained_model_trains_in_training_mode(tiny_recipe):
 
 
 @pytest.mark.parametrize(
-    "precision,peft", [("fp32", "none"), ("bf16-true", "none"), ("bf16-true", "lora")], ids=["fp32", "bf16", "lora"]
+    "precision,peft,adapters",
+    [
+        ("fp32", "none", "fp32"),
+        ("bf16-true", "none", "fp32"),
+        ("bf16-true", "lora", "fp32"),
+        ("bf16-true", "lora", "bf16"),
+    ],
+    ids=["fp32", "bf16", "lora", "lora-bf16-adapters"],
 )
-def test_estimator_names_the_optimizer_training_builds(tiny_recipe, precision, peft):
+def test_estimator_names_the_optimizer_training_builds(tiny_recipe, precision, peft, adapters):
     """`optim.optimizer_choice` (what the memory estimator traces) names the optimizer `make_optimizer` builds from
     the adapted model's parameters."""
     from llmtune.model import load_config, load_model
     from llmtune.optim import BF16AdamW, make_optimizer, optimizer_choice
     from llmtune.parallelize import adapt
 
-    recipe = load_recipe(tiny_recipe(training__precision=precision, peft__method=peft))
+    recipe = load_recipe(tiny_recipe(training__precision=precision, peft__method=peft, peft__adapter_dtype=adapters))
     model = adapt(load_model(recipe, precision, load_config(recipe.model)), recipe)
     built = make_optimizer(model, recipe, torch.device("cpu"))
-    expected = {"adamw_bf16": BF16AdamW, "adamw_fused": torch.optim.AdamW}[optimizer_choice("adamw", precision, peft)]
-    assert type(built) is expected
+    choice = optimizer_choice("adamw", precision, peft, adapters)
+    assert type(built) is {"adamw_bf16": BF16AdamW, "adamw_fused": torch.optim.AdamW}[choice]

@@ -61,9 +61,14 @@ def estimate_settings(
     if peft.method != "none":
         target = peft.target_modules if isinstance(peft.target_modules, str) else tuple(peft.target_modules)
         lora = LoraSpec(
-            rank=peft.rank, target_modules=target, dropout=peft.dropout > 0, alpha=int(peft.alpha), method=peft.method
+            rank=peft.rank,
+            target_modules=target,
+            dropout=peft.dropout > 0,
+            alpha=int(peft.alpha),
+            method=peft.method,
+            dtype=peft.adapter_dtype,
         )
-    optimizer = optimizer_choice(t.optimizer, precision, peft.method)
+    optimizer = optimizer_choice(t.optimizer, precision, peft.method, peft.adapter_dtype)
     rows = training_rows(recipe, trained_fraction)
     return dict(
         precision=precision,

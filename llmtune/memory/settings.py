@@ -28,6 +28,7 @@ class LoraSpec:
     dropout: bool = False  # True: peft keeps a dropout mask-sized copy of each adapter input
     alpha: int = 16
     method: str = "lora"  # lora | dora (peft's magnitude vectors) | qlora (4-bit NF4 base, see kernels.py)
+    dtype: str = "fp32"  # the adapters' (peft.adapter_dtype): fp32 as peft keeps them, or bf16 under bf16-true
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +104,10 @@ def _validate(s: Settings) -> None:
         raise ValueError("checkpointing.offload moves the inputs that checkpointing saves: it needs checkpointing")
     if s.checkpointing.offload and s.device != "cuda":
         raise ValueError(OFFLOAD_NEEDS_CUDA)
+    if s.lora is not None and s.lora.dtype not in ("fp32", "bf16"):
+        raise ValueError(f"lora dtype={s.lora.dtype!r}; expected fp32 or bf16")
+    if s.lora is not None and s.lora.dtype == "bf16" and s.precision != "bf16-true":
+        raise ValueError(f"bf16 adapters need precision bf16-true, not {s.precision}: mixed precision trains fp32")
     for name, value, allowed in (
         ("objective", s.objective, OBJECTIVES),
         ("reference", s.reference, REFERENCES),

@@ -12,7 +12,7 @@ import torch
 
 from llmtune.memory.kernels import AdamW8bitModel, quantize_base_4bit, upcast_for_kbit_training
 from llmtune.memory.settings import Settings
-from llmtune.model import peft_quietly
+from llmtune.model import cast_trained, peft_quietly
 from llmtune.objectives import Objective, objective_named
 from llmtune.optim import build_optimizer
 
@@ -61,7 +61,7 @@ def build_model(config: Any, s: Settings) -> torch.nn.Module:
     target = lora.target_modules
     # peft moves each new adapter to its base layer's device with Module.to(), which on fake
     # parameters takes the swap_tensors path and fails. Everything is already on the (fake)
-    # CPU, and adapters stay fp32 as peft's autocast_adapter_dtype=True leaves them.
+    # CPU, and adapters stay fp32 as peft's autocast_adapter_dtype=True leaves them (bf16: cast below).
     move = torch.nn.Module.to
     torch.nn.Module.to = lambda self, *a, **k: self
     try:
@@ -82,6 +82,8 @@ def build_model(config: Any, s: Settings) -> torch.nn.Module:
     if lora.method == "qlora":
         quantize_base_4bit(model, torch.float16 if s.precision == "fp16" else torch.bfloat16)
         upcast_for_kbit_training(model)
+    if lora.dtype == "bf16":  # after peft and QLoRA's upcast, as training casts them (`parallelize.adapt`)
+        cast_trained(model, torch.bfloat16)
     return model
 
 
