@@ -839,6 +839,9 @@ def kernel_cases(ctx: Ctx) -> list[dict]:
         # QLoRA: prepare_model_for_kbit_training upcasts the non-4-bit parameters to fp32
         dict(name="qlora_bf16_true", model=model, seq=n // 2, micro=1, packed=False, precision="bf16-true",
              peft="qlora", checkpointing=True),
+        # QLoRA with bf16 adapters (peft.adapter_dtype): no upcast, the base's other weights and the stream stay bf16
+        dict(name="qlora_bf16_adapters", model=model, seq=n // 2, micro=1, packed=False, precision="bf16-true",
+             peft="qlora", checkpointing=True, adapters="bf16"),
     ]  # fmt: skip
 
 
@@ -873,7 +876,8 @@ def kernel_case(ctx: Ctx, case: dict) -> dict:
     data = ctx.data["short"] if case["packed"] else full_length_rows(ctx)
     recipe = ctx.recipe(
         case["model"], precision=case["precision"], gradient_checkpointing=case["checkpointing"],
-        peft__method=case["peft"], data__packing=case["packed"], data__max_length=case["seq"],
+        peft__method=case["peft"], peft__adapter_dtype=case.get("adapters", "fp32"), data__packing=case["packed"],
+        data__max_length=case["seq"],
         data__train=[{"path": str(data), "format": "text"}], micro_batch_size=case["micro"],
         global_batch_size=case["micro"],
     )  # fmt: skip

@@ -365,7 +365,9 @@ def peft_quietly() -> Iterator[None]:
 def apply_peft(model: PreTrainedModel, cfg: PeftConfig, *, gradient_checkpointing: bool):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    if cfg.method == "qlora":
+    if cfg.method == "qlora" and cfg.adapter_dtype == "fp32":
+        # It casts every 16-bit weight that is not 4-bit (embeddings, head, norms) to fp32 beside fp32 adapters;
+        # bf16 adapters keep them bf16 (as litgpt and torchtune do), and the residual stream with them.
         model = prepare_model_for_kbit_training(
             model,
             # apply_checkpointing has already chosen the layers; peft would re-enable checkpointing on all of them.

@@ -239,7 +239,9 @@ class PeftConfig:
         "The trained parameters' dtype. fp32: peft's default, also under a bf16 base. bf16 (training.precision"
         " bf16-true only): as litgpt's and torchtune's bf16 runs train them; each adapter then computes on its bf16"
         " input instead of an fp32 copy (Llama-3.1-8B, every linear layer, 2048 tokens: a third less activation"
-        " memory, by the estimate), and BF16AdamW keeps the updates by stochastic rounding.",
+        " memory, by the estimate), and BF16AdamW keeps the updates by stochastic rounding. Under qlora, bf16 also"
+        " keeps the base's non-4-bit weights (embeddings, head, norms) in bf16, which peft's"
+        " prepare_model_for_kbit_training casts to fp32 beside fp32 adapters.",
         "fp32",
     )
 

@@ -359,6 +359,20 @@ def test_qlora_base_weights_are_four_bit_with_their_quantisation_state(precision
     assert qlora["parameters"] == lora["parameters"]
 
 
+def test_qlora_with_bf16_adapters_keeps_the_base_in_bf16() -> None:
+    """`peft.adapter_dtype` bf16 skips prepare_model_for_kbit_training's upcast: every parameter that is not 4-bit
+    stays bf16, beside bf16 adapters; each takes half its fp32 bytes (the buffers, fp32 rotary tables, do not move)."""
+    cfg = tiny_config("llama")
+    kw = dict(micro_batch_size=2, seq_len=64, precision="bf16-true", gradient_checkpointing=True, device="cuda")
+    fp32 = estimate(cfg, lora=LoraSpec(rank=8, method="qlora"), **kw).totals
+    bf16 = estimate(cfg, lora=LoraSpec(rank=8, method="qlora", dtype="bf16"), **kw).totals
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    linear = [m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    unquantised = sum(p.numel() for p in model.parameters()) - sum(linear)
+    assert fp32["weights"] - bf16["weights"] == 2 * (unquantised + fp32["trainable_parameters"])
+
+
 def test_adamw_8bit_keeps_two_bytes_per_parameter_whatever_the_weight_dtype() -> None:
     cfg = tiny_config("llama")
     est = estimate(

@@ -206,6 +206,28 @@ def test_bf16_true_keeps_adapters_in_fp32_unless_asked_for_bf16(tmp_path, base_d
     assert isinstance(optimizer, BF16AdamW) == (adapter_dtype == "bf16")
 
 
+@pytest.mark.parametrize("adapter_dtype", ["fp32", "bf16"])
+def test_qlora_upcasts_the_base_beside_fp32_adapters_only(tmp_path, base_dir, tiny_data, adapter_dtype):
+    """peft's prepare_model_for_kbit_training, whose fp32 upcast of every weight that is not 4-bit suits fp32
+    adapters, runs beside them only; bf16 adapters keep the base bf16. (The 4-bit load needs CUDA: the base here is
+    the bf16 model it wraps, whose linear layers would be 4-bit.)"""
+    from llmtune.parallelize import adapt
+
+    recipe = load_recipe(
+        write_recipe(
+            tmp_path,
+            base_dir,
+            tiny_data,
+            training__precision="bf16-true",
+            peft__method="qlora",
+            peft__adapter_dtype=adapter_dtype,
+        )  # fmt: skip
+    )
+    model = adapt(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16), recipe)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[adapter_dtype]
+    assert {p.dtype for p in model.parameters()} == {dtype}
+
+
 # ---------------------------------------------------------------- gradients under checkpointing
 
 

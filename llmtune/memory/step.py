@@ -81,8 +81,9 @@ def build_model(config: Any, s: Settings) -> torch.nn.Module:
         torch.nn.Module.to = move
     if lora.method == "qlora":
         quantize_base_4bit(model, torch.float16 if s.precision == "fp16" else torch.bfloat16)
-        upcast_for_kbit_training(model)
-    if lora.dtype == "bf16":  # after peft and QLoRA's upcast, as training casts them (`parallelize.adapt`)
+        if lora.dtype == "fp32":  # training's `apply_peft` upcasts beside fp32 adapters only
+            upcast_for_kbit_training(model)
+    if lora.dtype == "bf16":  # after peft, as training casts them (`parallelize.adapt`)
         cast_trained(model, torch.bfloat16)
     return model
 
