@@ -8,6 +8,7 @@ regional compilation) are defined here, next to the model they change.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
 import logging
 import re
@@ -88,6 +89,17 @@ OFFLOAD_NEEDS_CUDA = (
 )
 
 
+# bitsandbytes before 0.43.2 kept each 4-bit matmul's input on its autograd node until the whole backward ended
+# (MatMul4Bit's `ctx.tensors = (A, B)`, dropped by bitsandbytes PR #1270): under non-reentrant checkpointing, every
+# layer's inputs, past checkpointing and past the memory plan, which models the current kernel (memory/kernels.py).
+QLORA_MIN_BITSANDBYTES = (0, 43, 2)
+
+
+def release(version: str) -> tuple[int, ...]:
+    """A version string's release numbers: "0.44.1+cu121" -> (0, 44, 1), "0.43.2.dev0" -> (0, 43, 2)."""
+    return tuple(int(n) for n in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
 def check_requirements(recipe: Recipe, device_type: str) -> None:
     """Refuse, before any download or model load, what needs hardware or packages this machine lacks."""
     checkpointing = checkpointing_of(recipe.training.gradient_checkpointing)
@@ -97,6 +109,13 @@ def check_requirements(recipe: Recipe, device_type: str) -> None:
     if what is not None:
         if importlib.util.find_spec("bitsandbytes") is None:
             raise SetupError(f"{what} needs bitsandbytes: pip install bitsandbytes")
+        have = importlib.metadata.version("bitsandbytes")
+        if recipe.peft.method == "qlora" and release(have) < QLORA_MIN_BITSANDBYTES:
+            raise SetupError(
+                f"peft.method=qlora needs bitsandbytes >= 0.43.2, found {have}: earlier versions"
+                " keep every 4-bit layer's input until backward ends, past checkpointing and the memory plan."
+                " pip install -U bitsandbytes"
+            )
 
 
 def load_tokenizer(cfg: ModelConfig):

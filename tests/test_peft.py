@@ -402,6 +402,35 @@ def test_cpu_refusals_exit_2_before_loading(tmp_path, tiny_data, capsys, no_load
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(("installed", "refused"), [("0.42.0", True), ("0.43.2", False), ("0.45.5+cu124", False)])
+def test_qlora_refuses_a_bitsandbytes_that_keeps_every_4bit_input(
+    tmp_path, base_dir, tiny_data, monkeypatch, installed, refused
+):
+    """bitsandbytes before 0.43.2 keeps each 4-bit matmul's input until backward ends (its PR #1270): past
+    checkpointing and past the plan. A CUDA launch is refused before anything loads. The installed package is faked
+    here (bitsandbytes needs CUDA): its version is the subject."""
+    import importlib.metadata
+    import importlib.util
+
+    from llmtune.model import SetupError, check_requirements
+
+    find_spec, version = importlib.util.find_spec, importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "bitsandbytes" else find_spec(name, *a)
+    )
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: installed if name == "bitsandbytes" else version(name)
+    )
+    recipe = load_recipe(write_recipe(tmp_path, base_dir, tiny_data, peft__method="qlora"))
+    if refused:
+        with pytest.raises(SetupError, match=r"bitsandbytes >= 0\.43\.2, found 0\.42\.0: earlier versions keep"):
+            check_requirements(recipe, "cuda")
+    else:
+        check_requirements(recipe, "cuda")  # passes
+    adamw_8bit = load_recipe(write_recipe(tmp_path, base_dir, tiny_data, training__optimizer="adamw_8bit"))
+    check_requirements(adamw_8bit, "cuda")  # 8-bit AdamW has no such input to keep
+
+
 # ---------------------------------------------------------------- the shipped LoRA recipe
 
 

@@ -31,7 +31,9 @@ BNB_8BIT_BLOCK = 256  # blockwise dynamic quantisation: one fp32 absmax per 256 
 class _Dequantize4bitLinear(torch.autograd.Function):
     """bitsandbytes `MatMul4Bit` (autograd/_functions.py): forward dequantises the whole weight to the
     compute dtype, multiplies, and frees it; backward dequantises it again for the input gradient. It
-    saves the quantised weight only (no activation: the base weight is frozen)."""
+    saves the quantised weight only (no activation: the base weight is frozen). Before 0.43.2 it also kept the
+    input (`ctx.tensors = (A, B)`, PR #1270), until backward ended: llmtune refuses those versions for QLoRA
+    (`model.QLORA_MIN_BITSANDBYTES`)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
