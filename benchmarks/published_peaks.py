@@ -120,7 +120,8 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def summaries(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The summary of all rows, of the transformers-run rows, of the others, and of each method."""
+    """The summary of all rows, of the transformers-run rows, of the others, of each method and of each source (the
+    row id's first part: one project's table)."""
     groups = {
         "all": results,
         "transformers": [r for r in results if r["framework"] == "transformers"],
@@ -130,6 +131,8 @@ def summaries(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
     for method in sorted({r["method"] for r in results}):
         groups[f"method={method}"] = [r for r in results if r["method"] == method]
+    for source in sorted({r["id"].split("/")[0] for r in results}):
+        groups[f"source={source}"] = [r for r in results if r["id"].split("/")[0] == source]
     return {name: summary(rows) for name, rows in groups.items()}
 
 
