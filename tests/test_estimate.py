@@ -104,6 +104,9 @@ def test_the_recipes_adapter_dtype_reaches_the_estimate(tiny_recipe, capsys):
         return _estimate_json(capsys, recipe, *args)
 
     fp32, bf16 = planned("fp32"), planned("bf16")
+    assert main(["estimate", "--recipe", str(recipe), "--device", "cpu", "peft.adapter_dtype=bf16"]) == 0
+    out = capsys.readouterr().out
+    assert ", LoRA r=16 (bf16 adapters)" in out, out
     assert (fp32["estimate"]["settings"]["optimizer"], bf16["estimate"]["settings"]["optimizer"]) == (
         "adamw_fused",
         "adamw_bf16",

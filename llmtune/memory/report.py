@@ -27,7 +27,8 @@ def format_plan(plan: BatchPlan, title: str) -> str:
         f"{s['precision']}, checkpointing {plan.checkpointing.describe(e.settings['layers'])},"
         f" {s['attn_implementation']} attention, {s['optimizer']}, {s['loss']} loss"
         + _objective(s)
-        + (f", {_METHOD_NAMES[s['lora']['method']]} r={s['lora']['rank']}" if s.get("lora") else ""),
+        + (f", {_METHOD_NAMES[s['lora']['method']]} r={s['lora']['rank']}" if s.get("lora") else "")
+        + (" (bf16 adapters)" if (s.get("lora") or {}).get("dtype") == "bf16" else ""),
         f"predicted peak {format_bytes(plan.predicted_peak_bytes)} of a {format_bytes(plan.budget_bytes)} budget"
         + ("" if plan.fits else ": DOES NOT FIT")
         + (
