@@ -156,8 +156,10 @@ def _estimate_target(args: argparse.Namespace) -> tuple[Any, Any]:
 
     if args.model is not None and (args.recipe or args.overrides or args.config or args.no_data):
         raise MemoryPlanError("--model plans without a recipe: leave out --recipe, --config, --no-data and overrides")
-    if args.model is None and (args.method or args.seq_len):
-        raise MemoryPlanError("--lora/--qlora/--full and --seq-len go with --model (a recipe sets them itself)")
+    if args.model is None and (args.method or args.seq_len or args.adapter_dtype):
+        raise MemoryPlanError(
+            "--lora/--qlora/--full, --seq-len and --adapter-dtype go with --model (a recipe sets them itself)"
+        )
     if args.model is None and not args.recipe:
         raise MemoryPlanError("say what to plan: --model NAME_OR_DIR, or --recipe R")
     recipe = load_recipe(args.recipe, args.overrides) if args.recipe else None
@@ -168,9 +170,17 @@ def _estimate_target(args: argparse.Namespace) -> tuple[Any, Any]:
         recipe_budget=recipe.memory.budget if recipe else "auto",
     )
     if recipe is None:
+        method = args.method or "lora"
+        if args.adapter_dtype == "bf16" and (method == "full" or target.device != "cuda"):
+            raise MemoryPlanError("--adapter-dtype bf16 needs adapters (--lora, --qlora) planned for a GPU (bf16-true)")
         config = resolve_config(args.model)
         recipe = recipe_for_model(
-            args.model, config, method=args.method or "lora", seq_len=args.seq_len or 2048, device=target.device
+            args.model,
+            config,
+            method=method,
+            seq_len=args.seq_len or 2048,
+            device=target.device,
+            adapter_dtype=args.adapter_dtype or "fp32",
         )
     return recipe, target
 
@@ -352,6 +362,11 @@ def _estimate_args(p: argparse.ArgumentParser) -> None:
     for flag, what in (("lora", "LoRA adapters (the default)"), ("qlora", "QLoRA"), ("full", "full fine-tune")):
         method.add_argument(f"--{flag}", dest="method", action="store_const", const=flag, help=f"with --model: {what}")
     p.add_argument("--seq-len", type=_positive_int, help="with --model: tokens per example (default 2048)")
+    p.add_argument(
+        "--adapter-dtype",
+        choices=["fp32", "bf16"],
+        help="with --model: the adapters' dtype, as the recipe key peft.adapter_dtype (default fp32, peft's)",
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--device-memory", help="memory per device to plan for, e.g. 24GiB")
     where.add_argument("--gpu", help=f"plan for a known card: {', '.join(GPUS)}")

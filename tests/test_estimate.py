@@ -67,6 +67,19 @@ def test_estimate_a_model_folder_for_a_card_without_warnings(tiny_model_dir, cap
     assert out["micro_batch_size"] == 32 and out["budget_bytes"] < GPUS["l4"]
 
 
+def test_estimate_a_model_with_bf16_adapters_and_refuse_them_where_nothing_is_bf16_true(tiny_model_dir, capsys):
+    """--adapter-dtype (the recipe's peft.adapter_dtype) reaches the plan; without adapters, or on a CPU (no
+    bf16-true there), it is refused with exit status 2 and the reason."""
+    args = ["estimate", "--model", str(tiny_model_dir), "--gpu", "l4", "--seq-len", "64", "--json"]
+    assert main([*args, "--adapter-dtype", "bf16"]) == 0
+    settings = json.loads(capsys.readouterr().out)["estimate"]["settings"]
+    assert settings["lora"]["dtype"] == "bf16" and settings["optimizer"] == "adamw_bf16"
+    for refused in (["--full"], ["--device", "cpu", "--device-memory", "8GiB"]):
+        model = ["estimate", "--model", str(tiny_model_dir), "--adapter-dtype", "bf16", *refused]
+        assert main(model if "--device" in refused else [*model, "--gpu", "l4"]) == 2
+        assert "--adapter-dtype bf16 needs adapters (--lora, --qlora) planned for a GPU" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU: the plan is for it")
 def test_estimate_without_a_device_plans_for_this_machines_cpu(capsys, tiny_model_dir):
     assert main(["estimate", "--model", str(tiny_model_dir), "--full", "--seq-len", "64"]) == 0

@@ -203,7 +203,14 @@ def with_generation(plan: BatchPlan, recipe: Recipe, config: Any, budget_bytes: 
 
 
 def recipe_for_model(
-    name: str, config: Any, *, method: str, seq_len: int, device: str, global_batch_size: int = 32
+    name: str,
+    config: Any,
+    *,
+    method: str,
+    seq_len: int,
+    device: str,
+    global_batch_size: int = 32,
+    adapter_dtype: str = "fp32",
 ) -> Recipe:
     """The recipe `llmtune estimate --model NAME` plans when no recipe is given: common fine-tuning defaults.
 
@@ -225,5 +232,7 @@ def recipe_for_model(
         model=ModelConfig(name_or_path=name, attn_implementation=attn),
         data=DataConfig(max_length=seq_len),
         training=TrainingConfig(precision=precision, global_batch_size=global_batch_size, micro_batch_size="auto"),
-        peft=PeftConfig(method="none" if method == "full" else method, rank=16, alpha=32.0),
+        peft=PeftConfig(
+            method="none" if method == "full" else method, rank=16, alpha=32.0, adapter_dtype=adapter_dtype
+        ),
     )
