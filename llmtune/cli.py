@@ -170,18 +170,18 @@ def _estimate_target(args: argparse.Namespace) -> tuple[Any, Any]:
         recipe_budget=recipe.memory.budget if recipe else "auto",
     )
     if recipe is None:
-        method = args.method or "lora"
-        if args.adapter_dtype == "bf16" and (method == "full" or target.device != "cuda"):
-            raise MemoryPlanError("--adapter-dtype bf16 needs adapters (--lora, --qlora) planned for a GPU (bf16-true)")
         config = resolve_config(args.model)
         recipe = recipe_for_model(
             args.model,
             config,
-            method=method,
+            method=args.method or "lora",
             seq_len=args.seq_len or 2048,
             device=target.device,
             adapter_dtype=args.adapter_dtype or "fp32",
         )
+        # recipe_for_model chooses bf16-true for adapters on a GPU only; the recipe key's own rule (recipe.py).
+        if recipe.peft.adapter_dtype == "bf16" and recipe.training.precision != "bf16-true":
+            raise MemoryPlanError("--adapter-dtype bf16 needs adapters (--lora, --qlora) planned for a GPU (bf16-true)")
     return recipe, target
 
 

@@ -106,13 +106,14 @@ def check_requirements(recipe: Recipe, device_type: str) -> None:
     if checkpointing is not None and checkpointing.offload and device_type != "cuda":
         raise SetupError(OFFLOAD_NEEDS_CUDA)
     what = check_bitsandbytes_device(recipe.peft.method, recipe.training.optimizer, device_type)
-    if what is not None:
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise SetupError(f"{what} needs bitsandbytes: pip install bitsandbytes")
+    if what is not None and importlib.util.find_spec("bitsandbytes") is None:
+        raise SetupError(f"{what} needs bitsandbytes: pip install bitsandbytes")
+    if what is not None and recipe.peft.method == "qlora":
         have = importlib.metadata.version("bitsandbytes")
-        if recipe.peft.method == "qlora" and release(have) < QLORA_MIN_BITSANDBYTES:
+        if release(have) < QLORA_MIN_BITSANDBYTES:
+            least = ".".join(map(str, QLORA_MIN_BITSANDBYTES))
             raise SetupError(
-                f"peft.method=qlora needs bitsandbytes >= 0.43.2, found {have}: earlier versions"
+                f"peft.method=qlora needs bitsandbytes >= {least}, found {have}: earlier versions"
                 " keep every 4-bit layer's input until backward ends, past checkpointing and the memory plan."
                 " pip install -U bitsandbytes"
             )
