@@ -217,7 +217,10 @@ def save_final(
     if accelerator.is_main_process:
         inner = accelerator.unwrap_model(model).model
         weights = _strip_prefix(state_dict, "model.")
-        inner.save_pretrained(tmp, state_dict=weights)
+        # peft would also save the frozen base weight of an adapted lm_head or embedding ("auto": in case the
+        # vocabulary was resized, which llmtune never does): V x h of what the base checkpoint already holds, and
+        # only on the engines that gather the whole state dict.
+        inner.save_pretrained(tmp, state_dict=weights, **({"save_embedding_layers": False} if adapters_only else {}))
         tokenizer.save_pretrained(tmp)
         (tmp / PROMPT_LAYOUT_FILE).write_text(json.dumps({"layout": prompt_layout}) + "\n")
         if save_base:

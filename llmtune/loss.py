@@ -7,6 +7,7 @@ with gradient checkpointing is often the step's memory peak (see shared/notes/me
 `chunked_cross_entropy` computes the same SUM of token losses chunk by chunk. In forward it also
 computes the gradients w.r.t. hidden states, lm_head weight and bias (Liger-style), so backward only
 scales them by `grad_output`: no recompute, and the logits of at most one chunk are alive at a time.
+A peft LoRA on the lm_head is computed as peft computes it (`head_lora`), its low-rank term added per chunk.
 Extra memory: N*h (grad of hidden) + V*h fp32 (grad of weight, only when it requires grad) + about
 4*chunk*V bytes of per-chunk scratch in fp32 (one fp32 buffer, worked in place), 8*chunk*V in bf16.
 
@@ -16,8 +17,10 @@ module whose forward returns the loss.
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -140,93 +143,165 @@ def resolve_loss_impl(requested: Literal["auto", "hf", "chunked"], config: Any) 
     return "chunked"
 
 
+class LowRank(NamedTuple):
+    """A low-rank term of the logits, `scaling * u @ weight.T`: a peft LoRA on the lm_head. u [N, r] is
+    lora_A(dropout(hidden)), computed by the adapter's own modules (autograd carries u's gradient back to them);
+    weight is lora_B's [V, r]."""
+
+    u: Tensor
+    weight: Tensor
+    scaling: float
+
+
+@dataclass(frozen=True)
+class ChunkSettings:
+    """How the chunked paths compute a chunk's logits: `chunk_logits`' scale and softcap, the matmuls' dtypes (the
+    autocast dtype when autocast is on, as the model's modules would run them) and the low-rank term's scaling."""
+
+    chunk_size: int
+    compute_dtype: torch.dtype
+    scale: float = 1.0
+    softcap: float | None = None
+    lora_dtype: torch.dtype | None = None
+    lora_scaling: float = 1.0
+
+
+class ChunkGrads:
+    """Gradient buffers for the inputs of a chunked Function that need one: hidden and u in their own dtype, filled
+    row by row; the head's parameters in fp32, summed over chunks whatever the compute dtype."""
+
+    def __init__(self, need: tuple[bool, ...], hidden: Tensor, weight: Tensor, bias, u, lora_b) -> None:
+        def fp32_zeros(t: Tensor) -> Tensor:
+            return torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+
+        self.hidden = torch.zeros_like(hidden) if need[0] else None
+        self.weight = fp32_zeros(weight) if need[1] else None
+        self.bias = fp32_zeros(bias) if need[2] else None
+        self.u = torch.zeros_like(u) if need[3] else None
+        self.lora_b = fp32_zeros(lora_b) if need[4] else None
+
+    def result(self, dtypes: tuple[torch.dtype | None, ...], grad_output: Tensor | None = None) -> tuple:
+        """(hidden, weight, bias, u, lora_b), each times `grad_output` where given, in place (the buffers are ours
+        alone: no V x h copy, no host sync to test for 1), and cast to `dtypes` (the inputs')."""
+        out = []
+        for grad, dtype in zip((self.hidden, self.weight, self.bias, self.u, self.lora_b), dtypes, strict=True):
+            if grad is not None and grad_output is not None:
+                grad.mul_(grad_output.to(grad.dtype))
+            out.append(None if grad is None else grad.to(dtype))
+        return tuple(out)
+
+
+def dtypes_of(*tensors: Tensor | None) -> tuple[torch.dtype | None, ...]:
+    return tuple(None if t is None else t.dtype for t in tensors)
+
+
+class ChunkHead:
+    """The lm_head's tensors cast once per pass, and what the chunked Functions do with them per chunk."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, lora_b: Tensor | None, settings: ChunkSettings) -> None:
+        self.settings = settings
+        self.w = weight.to(settings.compute_dtype)
+        self.b = None if bias is None else bias.to(settings.compute_dtype)
+        self.lora_b = None if lora_b is None else lora_b.to(settings.lora_dtype)
+
+    def logits(self, h: Tensor, u: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """A chunk's fp32 logits and the tanh of its softcap (`chunk_logits`), from h (compute dtype) and u."""
+        s = self.settings
+        z = F.linear(h, self.w, self.b)
+        if self.lora_b is not None:
+            # peft's LoRA forward: the base output plus scaling * lora_B(u), summed in the promoted dtype and cast
+            # back to the base output's; in place on the low-rank term's buffer where it has that dtype.
+            low = F.linear(u.to(s.lora_dtype), self.lora_b).mul_(s.lora_scaling)
+            z = low.add_(z) if low.dtype == torch.promote_types(low.dtype, z.dtype) else z + low
+            z = z.to(s.compute_dtype)
+        return chunk_logits(z, s.scale, s.softcap)
+
+    def split(self, grad: Tensor, tanh: Tensor | None, grads: ChunkGrads) -> tuple[Tensor, Tensor | None]:
+        """The fp32 gradient w.r.t. a chunk's logits carried back to the head's raw output (in place; consumes tanh)
+        and cast to the two matmuls' dtypes; adds the bias' share. The caller drops `grad` before `accumulate`."""
+        through_transform_(grad, tanh, self.settings.scale)
+        if grads.bias is not None:
+            grads.bias += grad.sum(0)
+        grad_c = grad.to(self.settings.compute_dtype)
+        # The low-rank term's share is rounded to the compute dtype too: its sum was cast to the base output's dtype.
+        low_rank = grads.u is not None or grads.lora_b is not None
+        return grad_c, grad_c.to(self.settings.lora_dtype) if low_rank else None
+
+    def accumulate(self, grads: ChunkGrads, rows: Tensor | slice, h: Tensor, u, grad_c: Tensor, grad_l) -> None:
+        """Adds one chunk's share to `grads`: the chunk is hidden[rows] (h, cast) and u[rows]."""
+        s = self.settings
+        if grads.hidden is not None:
+            grads.hidden[rows] = (grad_c @ self.w).to(grads.hidden.dtype)
+        if grads.weight is not None:
+            if s.compute_dtype == torch.float32:
+                grads.weight.addmm_(grad_c.t(), h)
+            else:  # low-precision matmul like lm_head's backward, summed over chunks in fp32
+                grads.weight.add_(grad_c.t() @ h)
+        if grads.u is not None:
+            grads.u[rows] = (grad_l @ self.lora_b).mul_(s.lora_scaling).to(grads.u.dtype)
+        if grads.lora_b is not None:
+            grads.lora_b.add_(grad_l.t() @ u.to(s.lora_dtype), alpha=s.lora_scaling)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Sum of token cross-entropies; gradients are computed in forward and scaled in backward."""
 
     @staticmethod
     def forward(
-        ctx: Any, hidden, weight, bias, labels, chunk_size, ignore_index, compute_dtype, scale, softcap, grad_enabled
+        ctx: Any, hidden, weight, bias, lora_u, lora_b, labels, settings: ChunkSettings, ignore_index, grad_enabled
     ) -> Tensor:
-        # The arguments are `chunked_cross_entropy`'s, with the matmul's dtype and whether gradients are wanted.
-        # needs_input_grad is True under no_grad too: evaluation must not pay for the gradients.
-        need_h, need_w = (grad_enabled and ctx.needs_input_grad[i] for i in (0, 1))
-        need_b = grad_enabled and bias is not None and ctx.needs_input_grad[2]
+        # The arguments are `chunked_cross_entropy`'s, with whether gradients are wanted: needs_input_grad is True
+        # under no_grad too, and evaluation must not pay for the gradients.
+        need = tuple(grad_enabled and ctx.needs_input_grad[i] for i in range(5))
+        grads = ChunkGrads(need, hidden, weight, bias, lora_u, lora_b)
+        head = ChunkHead(weight, bias, lora_b, settings)
         # Only rows with a target cost anything: prompt-masked SFT batches skip their masked share of
         # the three N x V x h matmuls. `nonzero` is a host sync on GPU (one per step).
         rows = (labels != ignore_index).nonzero().squeeze(1)
-        n_rows = rows.numel()
-
-        w = weight.to(compute_dtype)
-        b = bias.to(compute_dtype) if bias is not None else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.zeros_like(hidden) if need_h else None
-        # fp32 accumulation across chunks, whatever the compute dtype.
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
 
-        for start in range(0, n_rows, chunk_size):
-            idx = rows[start : start + chunk_size]
-            h = hidden.index_select(0, idx).to(compute_dtype)
+        for start in range(0, rows.numel(), settings.chunk_size):
+            idx = rows[start : start + settings.chunk_size]
+            h = hidden.index_select(0, idx).to(settings.compute_dtype)
+            u = None if lora_u is None else lora_u.index_select(0, idx)
             target = labels.index_select(0, idx)
             # All further work is in place on this one chunk x V fp32 buffer.
-            z, tanh = chunk_logits(h, w, b, scale, softcap)
+            z, tanh = head.logits(h, u)
             # Stable log-sum-exp in place: z <- exp(z - max), lse = max + log(sum).
             z_max = z.amax(dim=1, keepdim=True)
             z.sub_(z_max)
             target_logit = z.gather(1, target.unsqueeze(1))
             sum_exp = z.exp_().sum(dim=1, keepdim=True)
             loss += (sum_exp.log() - target_logit).sum()
-            if not (need_h or need_w or need_b):
+            if not any(need):
                 del z, tanh
                 continue
             # d loss / d logits = softmax - onehot(target).
             grad = z.div_(sum_exp)
             grad.scatter_add_(1, target.unsqueeze(1), grad.new_full((idx.numel(), 1), -1.0))
-            through_transform_(grad, tanh, scale)
-            del tanh
-            if need_b:
-                grad_bias += grad.sum(0)
-            grad_c = grad.to(compute_dtype)
-            del grad, z
-            if need_h:
-                grad_hidden.index_copy_(0, idx, (grad_c @ w).to(hidden.dtype))
-            if need_w:
-                if compute_dtype == torch.float32:
-                    grad_weight.addmm_(grad_c.t(), h)
-                else:  # low-precision matmul like lm_head's backward, summed over chunks in fp32
-                    grad_weight.add_(grad_c.t() @ h)
-            del grad_c  # before the next chunk's logits: one chunk x V buffer alive at a time
+            grad_c, grad_l = head.split(grad, tanh, grads)
+            del grad, z, tanh  # the fp32 buffer goes before the matmuls where they run in a lower precision
+            head.accumulate(grads, idx, h, u, grad_c, grad_l)
+            del grad_c, grad_l  # before the next chunk's logits: one chunk x V buffer alive at a time
 
         # Kept on ctx rather than save_for_backward so backward can drop ctx's reference: a gradient
         # returned with no other owner becomes `.grad` as is, instead of AccumulateGrad copying V x h.
-        ctx.grads = (grad_hidden, grad_weight, grad_bias)
-        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        ctx.grads = grads
+        ctx.dtypes = dtypes_of(hidden, weight, bias, lora_u, lora_b)
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
-        grad_hidden, grad_weight, grad_bias = ctx.grads
-        ctx.grads = None  # backward runs once: a second call raises instead of returning stale grads
-        weight_dtype, bias_dtype = ctx.dtypes
-        # In place: these buffers are ours alone now, so scaling (e.g. by 1/tokens) costs no V x h copy
-        # and no host sync to test for grad_output == 1.
-        if grad_hidden is not None:
-            grad_hidden.mul_(grad_output.to(grad_hidden.dtype))
-        if grad_weight is not None:
-            grad_weight = grad_weight.mul_(grad_output).to(weight_dtype)
-        if grad_bias is not None:
-            grad_bias = grad_bias.mul_(grad_output).to(bias_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+        grads, ctx.grads = ctx.grads, None  # backward runs once: a second call raises instead of returning stale grads
+        return *grads.result(ctx.dtypes, grad_output), None, None, None, None
 
 
-def chunk_logits(
-    h: Tensor, weight: Tensor, bias: Tensor | None, scale: float, softcap: float | None
-) -> tuple[Tensor, Tensor | None]:
-    """fp32 logits of one chunk as the model computes them: lm_head in the inputs' (compute) dtype, then fp32, then
+def chunk_logits(z: Tensor, scale: float, softcap: float | None) -> tuple[Tensor, Tensor | None]:
+    """fp32 logits of one chunk as the model computes them from its lm_head's output `z` (compute dtype): fp32, then
     its transform (`logit_transform`), in place on the one chunk x V fp32 buffer. Also the tanh of the softcap, which
     the gradient needs (`through_transform_`); None without one."""
-    z = F.linear(h, weight, bias).float()
+    z = z.float()
     if scale != 1.0:
         z.mul_(scale)
     if softcap is None:
@@ -252,12 +327,29 @@ def matmul_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
+def chunk_settings(
+    hidden: Tensor, weight: Tensor, lora: LowRank | None, chunk_size: int, scale: float, softcap: float | None
+) -> ChunkSettings:
+    """The settings the chunked paths run a head with, taken where the model's own modules would run (autocast)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return ChunkSettings(
+        chunk_size,
+        matmul_dtype(hidden, weight),
+        scale,
+        softcap,
+        None if lora is None else matmul_dtype(lora.u, lora.weight),
+        1.0 if lora is None else float(lora.scaling),
+    )
+
+
 def chunked_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
     *,
     bias: Tensor | None = None,
+    lora: LowRank | None = None,
     chunk_size: int = 1024,
     ignore_index: int = -100,
     logit_scale: float = 1.0,
@@ -268,7 +360,8 @@ def chunked_cross_entropy(
     Equal to `F.cross_entropy((hidden @ weight.T).float(), labels, reduction="sum")` without ever
     holding more than `chunk_size` rows of logits. The matmul runs in the autocast dtype when autocast
     is on (as the model's lm_head would), else in the inputs' dtype; softmax and the loss in fp32.
-    `logit_scale` multiplies the logits, then `softcap` applies `softcap * tanh(logits / softcap)`.
+    `lora` adds its low-rank term to the lm_head's output as peft does. `logit_scale` multiplies the
+    logits, then `softcap` applies `softcap * tanh(logits / softcap)`.
 
     hidden: [N, h]; weight: [V, h]; labels: [N] (int64); bias: [V] or None.
     """
@@ -277,23 +370,12 @@ def chunked_cross_entropy(
             f"expected hidden [N, h], weight [V, h], labels [N]; got {tuple(hidden.shape)}, "
             f"{tuple(weight.shape)}, {tuple(labels.shape)}"
         )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    device_type = hidden.device.type
-    compute_dtype = matmul_dtype(hidden, weight)
+    settings = chunk_settings(hidden, weight, lora, chunk_size, logit_scale, softcap)
+    u, lora_b = (None, None) if lora is None else (lora.u, lora.weight)
     # The Function casts explicitly; autocast must not re-cast its matmuls (or cast fp32 grads down).
-    with torch.autocast(device_type, enabled=False):
+    with torch.autocast(hidden.device.type, enabled=False):
         return _ChunkedCrossEntropy.apply(
-            hidden,
-            weight,
-            bias,
-            labels.long(),
-            chunk_size,
-            ignore_index,
-            compute_dtype,
-            logit_scale,
-            softcap,
-            torch.is_grad_enabled(),
+            hidden, weight, bias, u, lora_b, labels.long(), settings, ignore_index, torch.is_grad_enabled()
         )
 
 
@@ -310,10 +392,57 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
     head = hf_model.get_output_embeddings()
     if decoder is None or head is None or decoder is hf_model:
         raise ValueError(f"{type(hf_model).__name__} has no decoder / output embeddings for the chunked loss")
-    if hasattr(head, "lora_A") or not isinstance(getattr(head, "weight", None), torch.Tensor):
-        # A LoRA-wrapped lm_head's `.weight` is the frozen base weight: the adapter would be ignored.
-        raise ValueError(f"loss_impl='chunked' needs a plain lm_head, got {type(head).__name__}; use 'hf'")
     return decoder, head
+
+
+def head_refusal(model: torch.nn.Module) -> str | None:
+    """Why the chunked paths cannot compute this model's logits from its lm_head's tensors; None where they can:
+    a plain head, or one peft LoRA on it (`head_lora`)."""
+    _, head = decoder_and_head(model)
+    if not isinstance(getattr(head, "weight", None), torch.Tensor):
+        return f"an lm_head without a weight tensor ({type(head).__name__})"
+    if not hasattr(head, "lora_A"):
+        return None
+    active = [a for a in head.active_adapters if a in head.lora_A]
+    if len(active) > 1:
+        return f"{len(active)} adapters active at once on the lm_head"
+    if any(a in head.lora_variant for a in active):
+        return f"a {type(head.lora_variant[active[0]]).__name__} (DoRA) on the lm_head"
+    if any(head.lora_B[a].bias is not None for a in active):
+        return "an lm_head adapter with lora_bias"
+    return None
+
+
+def runnable_impl(model: torch.nn.Module, impl: LossImpl) -> LossImpl:
+    """`impl`, or 'hf' where the chunked paths cannot run this model's lm_head (`head_refusal`): the model's own
+    forward computes those logits, at the memory of the full N x V logits."""
+    if impl != "chunked":
+        return impl
+    reason = head_refusal(model)
+    if reason is not None:
+        _say_once(f"the chunked loss does not compute {reason}: training.loss 'hf' (full logits) instead")
+        return "hf"
+    return impl
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    """A warning once per process: the planner builds the step module for every estimate it makes."""
+    logger.warning(message)
+
+
+def head_lora(head: torch.nn.Module, hidden: Tensor) -> LowRank | None:
+    """The low-rank term a peft LoRA on `head` adds for `hidden` [N, h], its u computed here by the adapter's own
+    dropout and lora_A; None for a plain head or one whose adapter is disabled or merged (peft's forward then runs
+    the base layer alone). `head_refusal` has ruled out the adapters this does not reproduce."""
+    if not hasattr(head, "lora_A") or head.disable_adapters or head.merged:
+        return None
+    active = [a for a in head.active_adapters if a in head.lora_A]
+    if not active:
+        return None
+    (name,) = active
+    x = head._cast_input_dtype(hidden, head.lora_A[name].weight.dtype)
+    return LowRank(head.lora_A[name](head.lora_dropout[name](x)), head.lora_B[name].weight, head.scaling[name])
 
 
 class CausalLMWithLoss(torch.nn.Module):
@@ -334,7 +463,9 @@ class CausalLMWithLoss(torch.nn.Module):
         self.impl = impl
         self.chunk_size = chunk_size or default_chunk_size(text_config(model.config).vocab_size)
         if impl == "chunked":
-            decoder_and_head(model)  # refuse a model the chunked loss cannot run now, not at the first step
+            reason = head_refusal(model)  # refuse a model the chunked loss cannot run now, not at the first step
+            if reason is not None:
+                raise ValueError(f"loss_impl='chunked' does not compute {reason}; use 'hf'")
             self.logit_scale, self.softcap = logit_transform(model.config)
 
     def forward(
@@ -363,11 +494,13 @@ class CausalLMWithLoss(torch.nn.Module):
         # hidden[t] predicts labels[t + 1]; the last position of each row has no target. Flattening the
         # unshifted hidden is a view; the padded label is skipped before any matmul.
         shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        hidden = hidden.reshape(-1, hidden.shape[-1])
         return chunked_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]),
+            hidden,
             head.weight,
             shift_labels.reshape(-1).to(hidden.device),
             bias=head.bias,
+            lora=head_lora(head, hidden),
             chunk_size=self.chunk_size,
             logit_scale=self.logit_scale,
             softcap=self.softcap,

@@ -37,14 +37,18 @@ from torch.autograd.function import once_differentiable
 
 from llmtune.data import IGNORE, collate, sequences_of
 from llmtune.loss import (
+    ChunkGrads,
+    ChunkHead,
+    ChunkSettings,
     LossImpl,
-    chunk_logits,
+    LowRank,
+    chunk_settings,
     decoder_and_head,
     default_chunk_size,
+    dtypes_of,
+    head_lora,
     logit_transform,
-    matmul_dtype,
     text_config,
-    through_transform_,
 )
 from llmtune.recipe import PreferenceConfig
 
@@ -97,48 +101,42 @@ def _trained_pairs(labels: Tensor, segments: Tensor, pairs: int) -> Tensor:
 
 
 class _TokenLogProbs(torch.autograd.Function):
-    """log softmax(hidden @ weight.T + bias)[target] per row, chunked; backward recomputes each chunk."""
+    """log softmax(logits)[target] per row, chunked (`ChunkHead`); backward recomputes each chunk's logits."""
 
     @staticmethod
-    def forward(ctx: Any, hidden, weight, bias, targets, chunk_size, compute_dtype, scale, softcap) -> Tensor:
+    def forward(ctx: Any, hidden, weight, bias, lora_u, lora_b, targets, settings: ChunkSettings) -> Tensor:
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        w, b = weight.to(compute_dtype), None if bias is None else bias.to(compute_dtype)
-        for start in range(0, hidden.shape[0], chunk_size):
-            z, _ = chunk_logits(hidden[start : start + chunk_size].to(compute_dtype), w, b, scale, softcap)
-            target = targets[start : start + chunk_size].unsqueeze(1)
-            out[start : start + chunk_size] = (z.gather(1, target) - z.logsumexp(1, keepdim=True)).squeeze(1)
-        ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.settings = (chunk_size, compute_dtype, scale, softcap)
+        head = ChunkHead(weight, bias, lora_b, settings)
+        for start in range(0, hidden.shape[0], settings.chunk_size):
+            rows = slice(start, start + settings.chunk_size)
+            z, _ = head.logits(hidden[rows].to(settings.compute_dtype), None if lora_u is None else lora_u[rows])
+            target = targets[rows].unsqueeze(1)
+            out[rows] = (z.gather(1, target) - z.logsumexp(1, keepdim=True)).squeeze(1)
+        ctx.save_for_backward(hidden, weight, bias, lora_u, lora_b, targets)
+        ctx.settings = settings
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, targets = ctx.saved_tensors
-        chunk_size, compute_dtype, scale, softcap = ctx.settings
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.zeros_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
-        w, b = weight.to(compute_dtype), None if bias is None else bias.to(compute_dtype)
-        for start in range(0, hidden.shape[0], chunk_size):
-            h = hidden[start : start + chunk_size].to(compute_dtype)
-            z, tanh = chunk_logits(h, w, b, scale, softcap)
-            go = grad_out[start : start + chunk_size].float().unsqueeze(1)
+        *inputs, targets = ctx.saved_tensors
+        settings = ctx.settings
+        hidden, weight, bias, lora_u, lora_b = inputs
+        grads = ChunkGrads(ctx.needs_input_grad[:5], *inputs)
+        head = ChunkHead(weight, bias, lora_b, settings)
+        for start in range(0, hidden.shape[0], settings.chunk_size):
+            rows = slice(start, start + settings.chunk_size)
+            h, u = hidden[rows].to(settings.compute_dtype), None if lora_u is None else lora_u[rows]
+            z, tanh = head.logits(h, u)
+            go = grad_out[rows].float().unsqueeze(1)
             # d logp[target] / d logits = onehot(target) - softmax, times the upstream gradient.
             grad = z.softmax(1).mul_(-go)
-            grad.scatter_add_(1, targets[start : start + chunk_size].unsqueeze(1), go)
-            through_transform_(grad, tanh, scale)
-            if need_b:
-                grad_b += grad.sum(0)
-            grad_c = grad.to(compute_dtype)
-            if need_h:
-                grad_h[start : start + chunk_size] = (grad_c @ w).to(hidden.dtype)
-            if need_w:
-                grad_w += (grad_c.t() @ h).float()
-        grad_w = grad_w.to(weight.dtype) if need_w else None
-        grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+            grad.scatter_add_(1, targets[rows].unsqueeze(1), go)
+            del z
+            grad_c, grad_l = head.split(grad, tanh, grads)
+            del grad, tanh
+            head.accumulate(grads, rows, h, u, grad_c, grad_l)
+        return *grads.result(dtypes_of(*inputs)), None, None
 
 
 def token_logps(
@@ -147,6 +145,7 @@ def token_logps(
     targets: Tensor,
     *,
     bias: Tensor | None = None,
+    lora: LowRank | None = None,
     chunk_size: int = 1024,
     logit_scale: float = 1.0,
     softcap: float | None = None,
@@ -154,14 +153,14 @@ def token_logps(
     """fp32 log-probability of each row's target: hidden [N, h], weight [V, h], targets [N] -> [N].
 
     Equal to `log_softmax(hidden @ weight.T + bias).gather(targets)` without holding more than `chunk_size`
-    rows of logits, in forward or backward. The matmul runs in the autocast dtype when autocast is on.
+    rows of logits, in forward or backward. The matmul runs in the autocast dtype when autocast is on; `lora` adds
+    its low-rank term to the lm_head's output as peft does.
     """
-    compute_dtype = matmul_dtype(hidden, weight)
+    settings = chunk_settings(hidden, weight, lora, chunk_size, logit_scale, softcap)
+    u, lora_b = (None, None) if lora is None else (lora.u, lora.weight)
     # The Function casts explicitly; autocast must not re-cast its matmuls.
     with torch.autocast(hidden.device.type, enabled=False):
-        return _TokenLogProbs.apply(
-            hidden, weight, bias, targets.long(), chunk_size, compute_dtype, logit_scale, softcap
-        )
+        return _TokenLogProbs.apply(hidden, weight, bias, u, lora_b, targets.long(), settings)
 
 
 def labelled_logps(
@@ -184,6 +183,7 @@ def labelled_logps(
             head.weight,
             targets[rows],
             bias=head.bias,
+            lora=head_lora(head, hidden),
             chunk_size=chunk_size,
             logit_scale=scale / temperature,
             softcap=cap,

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmtune.loss import CausalLMWithLoss, chunked_cross_entropy, resolve_loss_impl
+from llmtune.loss import CausalLMWithLoss, LowRank, chunked_cross_entropy, resolve_loss_impl
 from llmtune.memory.measure import PeakMemoryTracker
 
 transformers = pytest.importorskip("transformers")
@@ -80,6 +80,31 @@ def test_chunked_logit_scale_and_softcap(scale, softcap):
     _close(loss, ref_loss, 1e-5, "loss")
     for name, g, rg in zip(("hidden", "weight", "bias"), grads, ref_grads, strict=True):
         _close(g, rg, 1e-5, name)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_chunked_low_rank_term_matches_cross_entropy_fp32(softcap):
+    """A LoRA'd lm_head: logits = h W^T + b + s u B^T, with u's and B's gradients (W frozen, as under LoRA)."""
+    hidden, weight, b, labels = _inputs(37, bias=True)
+    g = torch.Generator().manual_seed(1)
+    u, lora_b = torch.randn(37, 3, generator=g), torch.randn(50, 3, generator=g)
+
+    def reference(h, u, lb):
+        z = F.linear(h, weight, b) + 0.5 * u @ lb.T
+        return _reference(z, torch.eye(50), None, labels, 0.7, softcap)  # z through an identity head
+
+    def chunked(h, u, lb):
+        lora = LowRank(u, lb, 0.5)
+        return chunked_cross_entropy(
+            h, weight, labels, bias=b, lora=lora, chunk_size=8, logit_scale=0.7, softcap=softcap
+        )
+
+    ref_loss, ref_grads = _grads(reference, hidden, u, lora_b)
+    loss, grads = _grads(chunked, hidden, u, lora_b)
+    _close(loss, ref_loss, 1e-5, "loss")
+    for name, got, want in zip(("hidden", "u", "lora_b"), grads, ref_grads, strict=True):
+        _close(got, want, 1e-5, name)
+    assert torch.all(grads[1][labels == -100] == 0)
 
 
 def test_chunked_frozen_weight_and_hidden_without_grad():
@@ -387,12 +412,79 @@ def test_wrapper_lora(checkpointing, autocast):
     assert CausalLMWithLoss(lora, "chunked").model is lora  # the loop saves adapters via .model
 
 
-def test_wrapper_rejects_lora_on_lm_head():
+def _head_lora(peft, adapters: str, dropout: float = 0.1, **config):
+    """llama-untied with LoRA on q_proj and the lm_head: fp32 weights and adapters, the autocast run's bf16, bf16
+    weights beside peft's fp32 adapters, or everything bf16 (`peft.adapter_dtype: bf16` under bf16-true)."""
+    from llmtune.model import cast_trained
+
+    model = _model("llama-untied")
+    if adapters in ("fp32-over-bf16", "bf16"):
+        model.to(torch.bfloat16)
+    lora_config = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["lm_head", "q_proj"], init_lora_weights=False, **config
+    )
+    lora = peft.get_peft_model(model, lora_config)
+    if adapters == "bf16":
+        cast_trained(lora, torch.bfloat16)
+    return lora.train()  # adapter dropout on: both paths draw the same masks from the same seed, in the same order
+
+
+def _seeded(model, impl: str, autocast: bool = False):
+    torch.manual_seed(1)
+    return _loss_and_grads(model, impl, autocast=autocast)
+
+
+@pytest.mark.parametrize("adapters", ["fp32", "autocast", "fp32-over-bf16", "bf16"])
+def test_wrapper_lora_on_lm_head(adapters):
     peft = pytest.importorskip("peft")
-    lora = peft.get_peft_model(_model("llama-untied"), peft.LoraConfig(r=4, target_modules=["lm_head", "q_proj"]))
+    lora = _head_lora(peft, adapters)
+    head = lora.base_model.model.lm_head
+    assert {head.lora_A["default"].weight.dtype, head.weight.dtype} == {
+        "fp32": {torch.float32},
+        "autocast": {torch.float32},
+        "fp32-over-bf16": {torch.float32, torch.bfloat16},
+        "bf16": {torch.bfloat16},
+    }[adapters]
+    hf = _seeded(lora, "hf", autocast=adapters == "autocast")
+    chunked = _seeded(lora, "chunked", autocast=adapters == "autocast")
+    trained = {n for n, p in lora.named_parameters() if p.requires_grad}
+    assert {n for n in trained if "lm_head" in n} == {
+        "base_model.model.lm_head.lora_A.default.weight",
+        "base_model.model.lm_head.lora_B.default.weight",
+    }
+    assert chunked[1].keys() == trained == hf[1].keys()
+    if adapters in ("fp32", "fp32-over-bf16"):  # the same matmuls in the same dtypes, the same roundings
+        _assert_same(chunked, hf, 1e-5)
+        return
+    # With bf16 adapters, the lm_head's adapter gradients are bf16 matmuls that HF runs over all rows at once and the
+    # chunked loss sums over chunks in fp32: as the bf16 comparisons above measure it (<= 2e-3 in norm).
+    assert abs(chunked[0].item() - hf[0].item()) / hf[0].item() < 2e-3
+    worst = max(_rel_err(chunked[1][n], hf[1][n]) for n in trained)
+    assert worst < 1e-2, worst
+
+
+def test_wrapper_lora_on_lm_head_disabled_is_the_base_model():
+    peft = pytest.importorskip("peft")
+    lora = _head_lora(peft, "fp32", dropout=0.0)
     input_ids, attention_mask, labels = _batch()
-    with pytest.raises(ValueError, match="plain lm_head"):
-        CausalLMWithLoss(lora, "chunked")(input_ids, labels, attention_mask=attention_mask)
+    with torch.no_grad():
+        adapted = CausalLMWithLoss(lora, "chunked")(input_ids, labels, attention_mask=attention_mask)
+        with lora.disable_adapter():
+            base = CausalLMWithLoss(lora, "chunked")(input_ids, labels, attention_mask=attention_mask)
+            base_hf = CausalLMWithLoss(lora, "hf")(input_ids, labels, attention_mask=attention_mask)
+    _close(base, base_hf, 1e-5)
+    assert abs(adapted.item() - base.item()) > 1e-3 * base.item()  # the adapter changes the loss it computes
+
+
+def test_dora_on_lm_head_is_left_to_hf_with_a_reason():
+    peft = pytest.importorskip("peft")
+    from llmtune.loss import runnable_impl
+
+    lora = _head_lora(peft, "fp32", use_dora=True)
+    with pytest.raises(ValueError, match=r"does not compute a DoraLinearVariant \(DoRA\) on the lm_head; use 'hf'"):
+        CausalLMWithLoss(lora, "chunked")
+    assert runnable_impl(lora, "chunked") == "hf"  # what training and the estimate run (Objective.module)
+    assert runnable_impl(_head_lora(peft, "fp32"), "chunked") == "chunked"
 
 
 def test_wrapper_under_ddp(tmp_path):

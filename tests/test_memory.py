@@ -158,6 +158,12 @@ def test_estimate_matches_measured_peak(arch: str, precision: str, checkpointing
         dict(precision="bf16", checkpointing=True, lora=LoraSpec(rank=8)),
         dict(precision="bf16-true", checkpointing=False, lora=LoraSpec(rank=8, dtype="bf16"), optimizer="adamw_bf16"),
         dict(precision="fp32", checkpointing=False, chunked=True),
+        dict(
+            precision="bf16",
+            checkpointing=False,
+            chunked=True,
+            lora=LoraSpec(rank=8, target_modules=("q_proj", "lm_head")),
+        ),
         dict(precision="fp32", checkpointing=False, accum=2),
         dict(precision="fp32", checkpointing=False, layout="padded"),
         dict(precision="fp32", checkpointing=True, layout="padded", chunked=True),
@@ -169,6 +175,7 @@ def test_estimate_matches_measured_peak(arch: str, precision: str, checkpointing
         "lora",
         "lora-bf16-adapters",
         "chunked-loss",
+        "chunked-loss-lora-head",
         "grad-accum",
         "padded",
         "padded-ckpt",
@@ -386,25 +393,15 @@ def test_adamw_8bit_keeps_two_bytes_per_parameter_whatever_the_weight_dtype() ->
     assert est.totals["optimizer_states"] == expected
 
 
-def test_lora_on_the_lm_head_with_the_chunked_loss_is_refused_as_training_refuses_it() -> None:
-    from peft import LoraConfig, get_peft_model
-
+def test_dora_on_the_lm_head_is_estimated_with_the_loss_training_falls_back_to() -> None:
+    """The chunked loss leaves a DoRA lm_head to 'hf' (`loss.runnable_impl`); the estimate traces the same module."""
     cfg = tiny_config("llama")
-    model = get_peft_model(AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
-    with pytest.raises(ValueError) as training:
-        CausalLMWithLoss(model, impl="chunked")
+    kw = dict(micro_batch_size=1, seq_len=32, precision="fp32", gradient_checkpointing=False)
+    dora = LoraSpec(rank=4, target_modules=("q_proj", "lm_head"), method="dora")
+    chunked = estimate(cfg, lora=dora, loss="chunked", **kw)
+    assert chunked.totals == estimate(cfg, lora=dora, loss="hf", **kw).totals
     lora = LoraSpec(rank=4, target_modules=("q_proj", "lm_head"))
-    with pytest.raises(ValueError) as estimating:
-        estimate(
-            cfg,
-            micro_batch_size=1,
-            seq_len=32,
-            precision="fp32",
-            gradient_checkpointing=False,
-            lora=lora,
-            loss="chunked",
-        )
-    assert str(estimating.value) == str(training.value) and "plain lm_head" in str(training.value)
+    assert chunked.totals != estimate(cfg, lora=lora, loss="chunked", **kw).totals  # LoRA's head runs chunked
 
 
 def test_flash_attention_2_is_planned_without_flash_attn() -> None:
@@ -470,8 +467,9 @@ def test_the_estimate_leaves_no_patch_behind_even_when_it_fails() -> None:
     cfg = tiny_config("llama")
     kw = dict(micro_batch_size=1, seq_len=32, precision="fp32", gradient_checkpointing=False)
     estimate(cfg, lora=LoraSpec(rank=4), attn_implementation="flash_attention_2", **kw)
-    with pytest.raises(ValueError):
-        estimate(cfg, lora=LoraSpec(rank=4, target_modules=("lm_head",)), loss="chunked", **kw)
+    cfg.logit_scale_factor = 2.0  # a learned logit scale: the chunked loss refuses the model at setup
+    with pytest.raises(ValueError, match="logit_scale_factor"):
+        estimate(cfg, loss="chunked", **kw)
     assert torch.nn.Module.to is module_to and mu.find_packed_sequence_indices is find_packed
 
 

@@ -297,6 +297,41 @@ def test_merged_model_has_the_adapter_models_logits(trained, tmp_path, method):
         assert (logits(adapter_model, vocab) - expected).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("head", ["adapted", "whole"])
+def test_the_lm_head_trains_under_the_chunked_loss_and_merges(tmp_path, base_dir, tiny_data, head):
+    """`lm_head` in target_modules (LoRA on it) or in modules_to_save (trained whole): `loss: auto` keeps the chunked
+    loss, the head learns, and the merged model gives the adapter model's logits."""
+    keys = (
+        {"peft__target_modules": ["q_proj", "lm_head"]} if head == "adapted" else {"peft__modules_to_save": ["lm_head"]}
+    )
+    run = build(load_recipe(write_recipe(tmp_path, base_dir, tiny_data, training__max_steps=3, **keys)))
+    assert run.accelerator.unwrap_model(run.model).impl == "chunked"
+    fit(run)
+    model = peft_model(run)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad and "lm_head" in n}
+    assert trained == (
+        {f"base_model.model.lm_head.lora_{ab}.default.weight" for ab in "AB"}
+        if head == "adapted"
+        else {"base_model.model.lm_head.modules_to_save.default.weight"}
+    )
+    vocab = model.config.vocab_size
+    with model.disable_adapter():
+        base_logits = logits(model, vocab)
+    torch.testing.assert_close(base_logits, logits(AutoModelForCausalLM.from_pretrained(base_dir), vocab))
+    lm_head = model.base_model.model.lm_head  # the head itself learned: lora_B starts at zero, the copy at the base
+    moved = lm_head.lora_B["default"].weight if head == "adapted" else lm_head.weight - lm_head.original_module.weight
+    assert moved.abs().max() > 1e-3
+    from safetensors.torch import load_file
+
+    saved = load_file(Path(run.recipe.output_dir) / "final" / "adapter_model.safetensors")
+    # The trained tensors alone: peft's "auto" would add the adapted head's frozen base weight (V x h)
+    assert len(saved) == sum(p.requires_grad for p in model.parameters()) and not any("base_layer" in k for k in saved)
+    merged = AutoModelForCausalLM.from_pretrained(merge_run(Path(run.recipe.output_dir), tmp_path / "merged"))
+    expected = logits(model, vocab)
+    torch.testing.assert_close(logits(merged, vocab), expected, rtol=0, atol=1e-4)
+    assert (expected - base_logits).abs().max() > 1e-2  # not vacuous: training changed the model
+
+
 def test_merge_cli_default_out_and_rerun(trained, tmp_path, capsys):
     run, _ = trained("lora", True, "fp32")
     run_dir = tmp_path / "copy"

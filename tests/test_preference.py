@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import llmtune.preference as P
 from llmtune.data import DataError, prepare_data
+from llmtune.loss import LowRank
 from llmtune.recipe import DataConfig, PreferenceConfig, RecipeError, SourceConfig, load_recipe
 
 WORDS = "the quick brown fox jumps over lazy dog cat story tell me hello".split()
@@ -88,6 +89,24 @@ def test_token_logps_and_gradients_equal_log_softmax():
         have = torch.autograd.grad((got.double() * upstream).sum(), (hidden, weight, bias))
         for a, b in zip(have, want, strict=True):
             assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_token_logps_with_a_lora_head_equal_log_softmax():
+    """A LoRA'd lm_head: logits = h W^T + s u B^T (W frozen), with u's and B's gradients."""
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64)
+    u = torch.randn(37, 3, dtype=torch.float64, requires_grad=True)
+    lora_b = torch.randn(50, 3, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    upstream = torch.randn(37, dtype=torch.float64)
+    expected = (hidden @ weight.T + 0.5 * u @ lora_b.T).log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+    got = P.token_logps(hidden, weight, targets, lora=LowRank(u, lora_b, 0.5), chunk_size=8)
+    assert torch.allclose(got.double(), expected, atol=1e-5)
+    want = torch.autograd.grad((expected * upstream).sum(), (hidden, u, lora_b))
+    have = torch.autograd.grad((got.double() * upstream).sum(), (hidden, u, lora_b))
+    for a, b in zip(have, want, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
 
 
 def paper_loss(objective: str, cfg: PreferenceConfig, pc, pr, rc, rr, nc, nr) -> torch.Tensor:
@@ -230,6 +249,22 @@ def dpo_batch_and_model(tokenizer, pairs_file):
     model = tiny_model(tokenizer)
     add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))  # what TRL's loss reads
     return batch, model
+
+
+def test_a_lora_on_the_lm_head_gives_the_models_own_loss_and_gradients(tokenizer, pairs_file):
+    """The chunked log-probabilities of a peft-LoRA'd lm_head against the model's own logits ('hf')."""
+    from peft import LoraConfig, get_peft_model
+
+    batch = pair_batch(tokenizer, pairs_file)
+    lora = LoraConfig(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    model = get_peft_model(tiny_model(tokenizer), lora)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    runs = {}
+    for impl in ("chunked", "hf"):
+        loss = P.PreferenceModel(model, impl, "simpo", PreferenceConfig(beta=2.0), "none")(**batch)[0]
+        runs[impl] = loss, torch.autograd.grad(loss, trained)
+    assert_same(runs["chunked"][0], runs["hf"][0], runs["chunked"][1], runs["hf"][1])
+    assert len(trained) == 6 and all(g.abs().sum() > 0 for g in runs["chunked"][1])  # the head's adapter included
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])

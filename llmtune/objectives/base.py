@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from llmtune.data import IGNORE
+from llmtune.loss import runnable_impl
 from llmtune.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class Objective(Protocol):
         frozen = None
         if self.reference == "copy":
             frozen = frozen_copy(model, device, weights_dtype) if reference_model is None else reference_model
-        return self.wrap(model, loss_impl, frozen, chunk_size)
+        return self.wrap(model, runnable_impl(model, loss_impl), frozen, chunk_size)
 
     def wrap(
         self, model: torch.nn.Module, loss_impl: str, frozen: torch.nn.Module | None, chunk_size: int | None
