@@ -344,14 +344,19 @@ def test_tracker_limit_raises_out_of_memory() -> None:
 # cannot run here (QLoRA, 8-bit AdamW and flash-attention-2 need CUDA packages) and what it refuses
 
 
+ALL_LINEAR_AND_HEAD = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ALL_LINEAR_AND_HEAD])
 @pytest.mark.parametrize("precision", ["bf16", "bf16-true"])
-def test_qlora_base_weights_are_four_bit_with_their_quantisation_state(precision) -> None:
-    """The base's linear layers in NF4; every other parameter in fp32, in bf16-true too: peft's
-    prepare_model_for_kbit_training (which training runs) casts every 16-bit parameter that is not 4-bit to fp32."""
+def test_qlora_base_weights_are_four_bit_with_their_quantisation_state(precision, targets) -> None:
+    """The base's linear layers in NF4, the head not even where LoRA adapts it (training quantizes at load, before
+    peft); every other parameter in fp32, in bf16-true too: peft's prepare_model_for_kbit_training (which training
+    runs) casts every 16-bit parameter that is not 4-bit to fp32."""
     cfg = tiny_config("llama")
     kw = dict(micro_batch_size=2, seq_len=64, precision=precision, gradient_checkpointing=True, device="cuda")
-    lora = estimate(cfg, lora=LoraSpec(rank=8), **kw).totals
-    qlora = estimate(cfg, lora=LoraSpec(rank=8, method="qlora"), **kw).totals
+    lora = estimate(cfg, lora=LoraSpec(rank=8, target_modules=targets), **kw).totals
+    qlora = estimate(cfg, lora=LoraSpec(rank=8, method="qlora", target_modules=targets), **kw).totals
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     linear = [m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]

@@ -78,13 +78,15 @@ class Linear4bitModel(torch.nn.Module):
 
 def quantize_base_4bit(model: torch.nn.Module, compute_dtype: torch.dtype) -> int:
     """Replace every frozen nn.Linear except the output head with its 4-bit stand-in (transformers'
-    bitsandbytes quantizer skips the head, `get_keys_to_not_convert`); under peft, the LoRA layers'
-    `base_layer`. Returns how many were replaced."""
+    bitsandbytes quantizer skips the head, `get_keys_to_not_convert`); under peft, the LoRA layers' `base_layer`, but
+    not the head's where LoRA adapts it (training quantizes at load, before peft wraps it). Returns how many were
+    replaced."""
     head = model.get_output_embeddings()
+    heads = (head, getattr(head, "base_layer", None))
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear and child is not head and not child.weight.requires_grad:
+            if type(child) is torch.nn.Linear and not any(child is h for h in heads) and not child.weight.requires_grad:
                 setattr(parent, name, Linear4bitModel(child, compute_dtype))
                 count += 1
     return count
