@@ -115,8 +115,23 @@ def _full_finetune_message(folder: Path) -> str:
 
 def _merge_adapter(adapter_dir: Path, dtype: str):
     model, tokenizer = load_adapter_model(adapter_dir, dtype)
-    # safe_merge checks the merged weights for NaN/inf before committing them.
-    return model.merge_and_unload(safe_merge=True), tokenizer
+    return merged(model), tokenizer
+
+
+def merged(model: torch.nn.Module) -> torch.nn.Module:
+    """peft's merge_and_unload (safe_merge: the merged weights are checked for NaN/inf before they are kept), with
+    an adapted lm_head untied from the input embeddings first: merged into the one tensor both share, the adapter
+    would change every input embedding too (peft warns and merges anyway). The merged model then has its own head
+    and says so in its config."""
+    import torch
+
+    base = model.get_base_model()
+    head, embeddings = base.get_output_embeddings(), base.get_input_embeddings()
+    if hasattr(head, "lora_A") and head.weight is embeddings.weight:
+        head.base_layer.weight = torch.nn.Parameter(embeddings.weight.detach().clone(), requires_grad=False)
+        base.config.get_text_config().tie_word_embeddings = False
+        base.config.tie_word_embeddings = False
+    return model.merge_and_unload(safe_merge=True)
 
 
 def load_adapter_model(adapter_dir: Path, dtype: str = "auto"):
@@ -249,10 +264,9 @@ def _merge_checkpoint(ckpt: Path, dtype: str):
             f"{weights}: does not match the recipe's model + adapter (missing {missing[:3]}, unexpected"
             f" {unexpected[:3]}); was the checkpoint written by another version?"
         )
-    merged = model.merge_and_unload(safe_merge=True)
-    target = getattr(torch, DTYPES[dtype]) if dtype in DTYPES else _config_dtype(config)
-    merged.to(target)
-    return merged, load_tokenizer(recipe.model)
+    model = merged(model)
+    model.to(getattr(torch, DTYPES[dtype]) if dtype in DTYPES else _config_dtype(config))
+    return model, load_tokenizer(recipe.model)
 
 
 def _config_dtype(config: Any) -> torch.dtype:

@@ -332,6 +332,25 @@ def test_the_lm_head_trains_under_the_chunked_loss_and_merges(tmp_path, base_dir
     assert (expected - base_logits).abs().max() > 1e-2  # not vacuous: training changed the model
 
 
+def test_merging_an_adapted_head_unties_it_from_the_embeddings(tmp_path):
+    """A tied model (Gemma, Qwen2-0.5B, Llama-3.2-1B) with LoRA on lm_head: merged into the tensor the head shares
+    with the input embeddings, the adapter would change every token's embedding too."""
+    from conftest import write_tiny_model
+    from peft import LoraConfig, get_peft_model
+
+    base = write_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+    lora = LoraConfig(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), lora)
+    model.save_pretrained(tmp_path / "final", save_embedding_layers=False)
+    vocab = model.config.vocab_size
+    expected = logits(model, vocab)
+    merged = AutoModelForCausalLM.from_pretrained(merge_run(tmp_path / "final", tmp_path / "merged"))
+    torch.testing.assert_close(logits(merged, vocab), expected, rtol=0, atol=1e-4)
+    assert not merged.config.tie_word_embeddings
+    original = AutoModelForCausalLM.from_pretrained(base).get_input_embeddings().weight
+    assert torch.equal(merged.get_input_embeddings().weight, original)
+
+
 def test_merge_cli_default_out_and_rerun(trained, tmp_path, capsys):
     run, _ = trained("lora", True, "fp32")
     run_dir = tmp_path / "copy"
