@@ -5,15 +5,17 @@ loss, and counts the peak bytes of live tensors allocated during it (a TorchDisp
 it is the CPU tensor peak, not an allocator figure). Both implementations get the same fp32 hidden
 [N, h] and lm_head weight [V, h] (both requiring grad); "bf16" is bf16 autocast, as in mixed-precision
 training. "ckpt" is the alternative design: torch.utils.checkpoint around each chunk's logits+loss
-(recomputes the chunk's logits in backward).
+(recomputes the chunk's logits in backward). `--lora-rank R` puts a LoRA of rank R on the lm_head of both
+(weight frozen, A and B trained; hf adds it as peft's forward does, chunked through `LowRank`), without "ckpt".
 
     .venv/bin/python -m benchmarks.loss                 # the full grid: 18 min on 2 busy cores (load ~8)
     .venv/bin/python -m benchmarks.loss --tokens 2048   # ~2-3 min subset
+    .venv/bin/python -m benchmarks.loss --tokens 2048 --lora-rank 16   # -> loss_cpu_lora_head.json
 
 The N=8192, V=128256 cell alone is ~3/4 of the full run: 3 matmuls of 2*N*V*h = 1 TFLOP each per
 implementation, at ~60 GFLOP/s fp32 on 2 cores.
 
-Writes benchmarks/results/loss_cpu.json.
+Writes benchmarks/results/loss_cpu.json (loss_cpu_lora_head.json with --lora-rank).
 """
 
 from __future__ import annotations
@@ -32,19 +34,23 @@ from torch.utils.checkpoint import checkpoint
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from benchmarks import RESULTS
-from llmtune.loss import chunked_cross_entropy
+from llmtune.loss import LowRank, chunked_cross_entropy
 from llmtune.memory.measure import PeakMemoryTracker
 
 OUTPUT = RESULTS / "loss_cpu.json"
 
 
-def hf_loss(hidden, weight, labels, chunk_size):
+def hf_loss(hidden, weight, labels, chunk_size, lora=None):
     logits = F.linear(hidden, weight)  # the model's lm_head
+    if lora is not None:  # peft's forward: base + lora_B(lora_A(x)) * scaling
+        a, b, scaling = lora
+        logits = logits + F.linear(F.linear(hidden, a), b) * scaling
     return ForCausalLMLoss(logits, None, weight.shape[0], num_items_in_batch=torch.ones(()), shift_labels=labels)
 
 
-def chunked_loss(hidden, weight, labels, chunk_size):
-    return chunked_cross_entropy(hidden, weight, labels, chunk_size=chunk_size)
+def chunked_loss(hidden, weight, labels, chunk_size, lora=None):
+    low_rank = None if lora is None else LowRank(F.linear(hidden, lora[0]), lora[1], lora[2])
+    return chunked_cross_entropy(hidden, weight, labels, lora=low_rank, chunk_size=chunk_size)
 
 
 def _chunk_ce(h, w, target):
@@ -62,15 +68,20 @@ def ckpt_loss(hidden, weight, labels, chunk_size):
 IMPLS = {"hf": hf_loss, "chunked": chunked_loss, "ckpt": ckpt_loss}
 
 
-def run_one(impl, n, v, h, precision, chunk_size, seed=0):
+def run_one(impl, n, v, h, precision, chunk_size, lora_rank=0, seed=0):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, h, generator=g).requires_grad_(True)
-    weight = (torch.randn(v, h, generator=g) * h**-0.5).requires_grad_(True)
+    weight = (torch.randn(v, h, generator=g) * h**-0.5).requires_grad_(not lora_rank)
     labels = torch.randint(0, v, (n,), generator=g)
-    with PeakMemoryTracker("cpu", baseline=[hidden, weight, labels]) as counter:
+    lora = None
+    if lora_rank:  # B nonzero (a trained adapter), scaling alpha / r with alpha = 2r
+        a = (torch.randn(lora_rank, h, generator=g) * h**-0.5).requires_grad_(True)
+        b = (torch.randn(v, lora_rank, generator=g) * lora_rank**-0.5).requires_grad_(True)
+        lora = (a, b, 2.0)
+    with PeakMemoryTracker("cpu", baseline=[hidden, weight, labels, *(lora or ())[:2]]) as counter:
         start = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = IMPLS[impl](hidden, weight, labels, chunk_size)
+            loss = IMPLS[impl](hidden, weight, labels, chunk_size, *([lora] if lora else []))
         loss.backward()
         seconds = time.perf_counter() - start
     return {"seconds": seconds, "peak_bytes": counter.peak_bytes - counter.entry_bytes, "loss": loss.item()}
@@ -92,8 +103,10 @@ def main(argv=None):
     p.add_argument("--main-chunk", type=int, default=1024)
     p.add_argument("--ckpt-chunk", type=int, default=1024, help="chunk size of the checkpoint design; 0: skip")
     p.add_argument("--ckpt-max-tokens", type=int, default=2048, help="run the checkpoint design up to this N")
-    p.add_argument("--out", type=Path, default=OUTPUT)
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA of this rank on the lm_head of both (no ckpt)")
+    p.add_argument("--out", type=Path, default=None, help=f"default {OUTPUT.name} (loss_cpu_lora_head.json with LoRA)")
     args = p.parse_args(argv)
+    args.out = args.out or (OUTPUT.with_name("loss_cpu_lora_head.json") if args.lora_rank else OUTPUT)
 
     rows = []
     load_before = os.getloadavg()
@@ -105,11 +118,11 @@ def main(argv=None):
             for precision in args.precision:
                 chunks = args.chunks if n * v <= args.sweep_max_nv else [args.main_chunk]
                 plan = [("hf", 0)] + [("chunked", c) for c in chunks]
-                if args.ckpt_chunk and n <= args.ckpt_max_tokens:
+                if args.ckpt_chunk and n <= args.ckpt_max_tokens and not args.lora_rank:
                     plan.append(("ckpt", args.ckpt_chunk))
                 base = None
                 for impl, chunk in plan:
-                    r = run_one(impl, n, v, args.hidden, precision, chunk)
+                    r = run_one(impl, n, v, args.hidden, precision, chunk, args.lora_rank)
                     base = base or r
                     row = {
                         "tokens": n,
@@ -118,6 +131,7 @@ def main(argv=None):
                         "precision": precision,
                         "impl": impl,
                         "chunk_size": chunk or None,
+                        "lora_rank": args.lora_rank,
                         **r,
                         "time_vs_hf": r["seconds"] / base["seconds"],
                         "peak_vs_hf": r["peak_bytes"] / base["peak_bytes"],
