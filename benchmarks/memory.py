@@ -90,6 +90,7 @@ class Case:
     precision: str  # fp32 | bf16
     micro_batch: int = 4
     seq_len: int = 256
+    lora_targets: tuple[str, ...] = ()  # peft.target_modules; empty: all-linear
 
     def recipe(self) -> Recipe:
         attn = "eager" if self.arch == "gemma2" else "sdpa"
@@ -103,7 +104,12 @@ class Case:
                 gradient_checkpointing=self.checkpointing,
                 loss=self.loss,
             ),
-            peft=PeftConfig(method="lora" if self.lora else "none", rank=8, alpha=16.0),
+            peft=PeftConfig(
+                method="lora" if self.lora else "none",
+                rank=8,
+                alpha=16.0,
+                target_modules=list(self.lora_targets) or "all-linear",
+            ),
         )
 
 

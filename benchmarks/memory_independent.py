@@ -18,7 +18,10 @@ Found (benchmarks/results/memory_independent_cpu.json): the steps agree to the b
 under, both precisions). Until 2026-12-06 checkpointed steps were under by 5056 bytes per checkpointed layer
 alive at the peak: the CPU RNG state (`torch.get_rng_state()`) torch.utils.checkpoint keeps per layer
 (preserve_rng_state), made without an ATen op, which no dispatch-mode counter sees; the estimator's trace now
-counts it (`llmtune.memory.trace`), benchmarks.memory's StorageHighWater still does not.
+counts it (`llmtune.memory.trace`), benchmarks.memory's StorageHighWater still does not. The LoRA cases under the
+chunked loss (2026-12-06, LoRA on the head too in three families) are within 1 KB, but for qwen2 and phi3 in bf16
+with checkpointing: 70 KB under, which oneDNN's bf16 matmul scratch makes through the c10 allocator outside any
+ATen op (with `torch.backends.mkldnn.flags(enabled=False)` the qwen2 case is 544 bytes under).
 """
 
 from __future__ import annotations
@@ -113,14 +116,26 @@ def configs() -> dict[str, transformers.PretrainedConfig]:
     }  # fmt: skip
 
 
+# LoRA on the output head too, by each family's module names (GPT-NeoX's head is embed_out; Qwen2's here is tied).
+HEAD_TARGETS = {
+    "llama": ("q_proj", "v_proj", "lm_head"),
+    "qwen2": ("q_proj", "v_proj", "lm_head"),
+    "gptneox": ("query_key_value", "embed_out"),
+}
+
+
 def cases(quick: bool) -> list[Case]:
-    """Per family one fp32 case and one checkpointed case (bf16 autocast where the CPU has native bf16)."""
-    bf16 = cpu_supports_bf16()
+    """Per family one fp32 case, one checkpointed case (bf16 autocast where the CPU has native bf16) and one packed
+    LoRA case under the chunked loss; three families with LoRA on the head as well."""
+    precision = "bf16" if cpu_supports_bf16() else "fp32"
     out = []
     for i, arch in enumerate(configs()):
         mb, seq = (2, 256) if i % 2 else (4, 128)
-        for ckpt, precision in ((False, "fp32"), (True, "bf16" if bf16 else "fp32")):
-            out.append(Case(arch, "padded", "hf", False, ckpt, precision, micro_batch=mb, seq_len=seq))
+        for ckpt, prec in ((False, "fp32"), (True, precision)):
+            out.append(Case(arch, "padded", "hf", False, ckpt, prec, micro_batch=mb, seq_len=seq))
+        out.append(Case(arch, "packed", "chunked", True, i % 2 == 0, precision, micro_batch=mb, seq_len=seq))
+    for arch, targets in HEAD_TARGETS.items():
+        out.append(Case(arch, "packed", "chunked", True, True, precision, 2, 256, lora_targets=targets))
     return out[::3] if quick else out
 
 
@@ -164,14 +179,16 @@ def in_subprocess(case: Case) -> dict:
 
 def run(quick: bool) -> dict:
     rows = []
-    print(f"{'case':42s} {'layers':>6s} {'traced':>7s} {'estimate':>11s} {'measured':>11s} {'error':>8s}")
+    print(f"{'case':60s} {'layers':>6s} {'traced':>7s} {'estimate':>11s} {'measured':>11s} {'error':>8s}")
     for case in cases(quick):
         r = in_subprocess(case)
         rows.append(r)
-        name = f"{case.arch} {case.precision} ckpt={int(case.checkpointing)} mb={case.micro_batch} seq={case.seq_len}"
+        lora = f" lora{'+head' if case.lora_targets else ''} {case.loss}" if case.lora else ""
+        shape = f"ckpt={int(case.checkpointing)} mb={case.micro_batch} seq={case.seq_len}"
+        name = f"{case.arch}{lora} {case.precision} {shape}"
         traced = ",".join(map(str, r["traced_layers"]))
         print(
-            f"{name:42s} {r['layers']:6d} {traced:>7s} {format_bytes(r['estimated_bytes']):>11s}"
+            f"{name:60s} {r['layers']:6d} {traced:>7s} {format_bytes(r['estimated_bytes']):>11s}"
             f" {format_bytes(r['measured_bytes']):>11s} {r['rel_error']:+8.2%}",
             flush=True,
         )
