@@ -9,7 +9,8 @@ computes the gradients w.r.t. hidden states, lm_head weight and bias (Liger-styl
 scales them by `grad_output`: no recompute, and the logits of at most one chunk are alive at a time.
 A peft LoRA on the lm_head is computed as peft computes it (`head_lora`), its low-rank term added per chunk.
 Extra memory: N*h (grad of hidden) + V*h fp32 (grad of weight, only when it requires grad) + about
-4*chunk*V bytes of per-chunk scratch in fp32 (one fp32 buffer, worked in place), 8*chunk*V in bf16.
+4*chunk*V bytes of per-chunk scratch in fp32 (one fp32 buffer, worked in place), 8*chunk*V in bf16; with a LoRA'd
+head also N*r (grad of u) + V*r fp32 (grad of lora_B) and one chunk x V buffer for its term.
 
 `CausalLMWithLoss` wraps a HF causal LM (or a peft model around one) so that DDP/FSDP can wrap one
 module whose forward returns the loss.
@@ -450,7 +451,7 @@ class CausalLMWithLoss(torch.nn.Module):
 
     Wrap THIS module with DDP/FSDP so the loss is computed inside one forward. `impl="hf"` runs the
     model with labels (transformers' ForCausalLMLoss: full logits, fp32 upcast); `impl="chunked"` runs
-    the decoder and `chunked_cross_entropy` on the lm_head weight. Under FSDP the lm_head (and, if
+    the decoder and `chunked_cross_entropy` on the lm_head weight (and its LoRA). Under FSDP the lm_head (and, if
     tied, the input embeddings) must not be a separate FSDP unit for "chunked": its weight is read
     outside the lm_head's own forward.
     """
