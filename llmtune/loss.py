@@ -404,7 +404,7 @@ def head_refusal(model: torch.nn.Module) -> str | None:
         return f"an lm_head without a weight tensor ({type(head).__name__})"
     if not hasattr(head, "lora_A"):
         return None
-    active = [a for a in head.active_adapters if a in head.lora_A]
+    active = _adapters_run(head)
     if len(active) > 1:
         return f"{len(active)} adapters active at once on the lm_head"
     if any(a in head.lora_variant for a in active):
@@ -412,6 +412,11 @@ def head_refusal(model: torch.nn.Module) -> str | None:
     if any(head.lora_B[a].bias is not None for a in active):
         return "an lm_head adapter with lora_bias"
     return None
+
+
+def _adapters_run(head: torch.nn.Module) -> list[str]:
+    """The adapters peft's forward adds on a LoRA'd head: the active ones it holds a lora_A for."""
+    return [a for a in head.active_adapters if a in head.lora_A]
 
 
 def runnable_impl(model: torch.nn.Module, impl: LossImpl) -> LossImpl:
@@ -438,7 +443,7 @@ def head_lora(head: torch.nn.Module, hidden: Tensor) -> LowRank | None:
     the base layer alone). `head_refusal` has ruled out the adapters this does not reproduce."""
     if not hasattr(head, "lora_A") or head.disable_adapters or head.merged:
         return None
-    active = [a for a in head.active_adapters if a in head.lora_A]
+    active = _adapters_run(head)
     if not active:
         return None
     (name,) = active
