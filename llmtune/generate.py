@@ -23,12 +23,9 @@ import yaml
 
 from llmtune.checkpoint import PROMPT_LAYOUT_FILE
 from llmtune.data import alpaca_prompt, render_prompt
+from llmtune.data.chat import chat_ids, end_of_turn_ids
 from llmtune.errors import UserError
 from llmtune.merge import ADAPTER_CONFIG, WEIGHT_FILES
-
-# How common chat templates end a turn (ChatML / Qwen, Llama-3, Gemma, Phi-3, Command-R): a chat model ends its
-# reply with this token, which is often not the tokenizer's eos_token.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|END_OF_TURN_TOKEN|>")
 
 
 class GenerateError(UserError, ValueError):
@@ -140,19 +137,20 @@ def prompt_ids(run: LoadedRun, messages: list[dict[str, str]]) -> list[int]:
     """The ids the model is given: the chat rendered for a reply, or (plain) the last user message alone, inside the
     Alpaca template for a run trained on Alpaca rows."""
     if run.chat:
-        out = run.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-        return list(out["input_ids"])
+        return chat_ids(run.tokenizer, messages, add_generation_prompt=True)
     text = messages[-1]["content"]
     return render_prompt(alpaca_prompt(text, "") if run.alpaca else text, run.tokenizer)
 
 
 def stop_ids(model: Any, tokenizer: Any, chat: bool) -> list[int]:
     """The ids that end a reply: the model's generation_config eos ids, the tokenizer's eos and, for a prompt
-    rendered with the chat template, the end-of-turn token that template writes (deduplicated, in that order)."""
+    rendered with the chat template, the end-of-turn token that template writes after a reply (a chat model ends its
+    reply with it, and it is often not the tokenizer's eos_token; `data.chat.end_of_turn_ids`), deduplicated, in
+    that order."""
     config = getattr(model, "generation_config", None)
     ids = [*_as_ids(getattr(config, "eos_token_id", None)), *_as_ids(tokenizer.eos_token_id)]
     if chat:
-        ids += _end_of_turn_ids(tokenizer)
+        ids += end_of_turn_ids(tokenizer)
     return list(dict.fromkeys(ids))
 
 
@@ -161,14 +159,6 @@ def _as_ids(value: int | Sequence[int] | None) -> list[int]:
     if value is None:
         return []
     return [int(value)] if isinstance(value, int) else [int(v) for v in value]
-
-
-def _end_of_turn_ids(tokenizer: Any) -> list[int]:
-    """The ids of the END_OF_TURN_TOKENS the chat template writes that the tokenizer knows (not as its unk)."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    text = "\n".join(template.values()) if isinstance(template, dict) else str(template)
-    ids = [tokenizer.convert_tokens_to_ids(token) for token in END_OF_TURN_TOKENS if token in text]
-    return [i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id]
 
 
 def until_stop(row: list[int], stop: Sequence[int]) -> list[int]:

@@ -87,6 +87,11 @@ class DataConfig:
     train_on: Literal["completion", "all"] = doc(
         "Train only on completions / assistant turns, or on every token.", "completion"
     )
+    train_reasoning: bool = doc(
+        "Chats: train an assistant turn's reasoning (`reasoning_content`, or a leading <think>...</think> in its"
+        " content) as the chat template renders it; false keeps it as context only.",
+        True,
+    )
     overlong: Literal["truncate", "drop"] = doc("What to do with examples longer than max_length.", "truncate")
     group_by_length: bool = doc("Without packing, batch similar lengths together to cut padding.", True)
     num_proc: int = doc("Worker processes for tokenisation.", 1)

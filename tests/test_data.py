@@ -562,14 +562,26 @@ def test_a_template_that_raises_names_the_row(tmp_path, tokenizer):
     assert "row 1" in msg and "`messages`" in msg and "roles must alternate" in msg
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path, tokenizer):
-    # Renders only the last turn (like templates that drop earlier reasoning): prefixes do not line up.
+def test_a_template_that_rewrites_an_answer_is_refused_naming_the_turn(tmp_path, tokenizer):
+    # Trimming is followed; a template that changes the text itself leaves nothing to locate the answer by.
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] | upper if m['role'] =="
+        " 'assistant' else m['content']) + '<|im_end|>\\n' }}{% endfor %}"
+    )
+    msg = _error(tmp_path, tokenizer, [{"messages": CHAT}], {"format": "messages"})
+    assert "row 1" in msg and "turn 2" in msg and "cannot be located" in msg
+
+
+def test_a_template_that_renders_only_the_last_turn_trains_what_it_renders(tmp_path, tokenizer):
+    # Like templates that drop earlier reasoning, history is rendered differently from the last turn: what is
+    # rendered of an assistant turn is trained, nothing else.
     tokenizer.chat_template = (
         "{{ '<|im_start|>' + messages[-1]['role'] + '\\n' + messages[-1]['content'] + '<|im_end|>\\n' }}"
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
     )
-    msg = _error(tmp_path, tokenizer, [{"messages": CHAT}], {"format": "messages"})
-    assert "row 1" in msg and "prefix" in msg
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}])
+    row = prepare_data(config(SourceConfig(path=str(path), format="messages")), tokenizer, seed=0).train[0]
+    assert tokenizer.decode(trained_ids(row["input_ids"], row["labels"])) == CHAT[-1]["content"] + "<|im_end|>"
 
 
 def test_hub_ids_go_through_load_dataset(monkeypatch, tokenizer):

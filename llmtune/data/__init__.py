@@ -5,6 +5,7 @@ One module a stage, in the order data flows through them (`prepare.prepare_data`
     load      a source -> raw rows (local file or folder, `save_to_disk` folder, hub id)
     validate  the first problem with a row's values (shared by tokenise and load's diagnostics)
     render    a row -> input_ids + labels by format (text, prompt/completion, chats); IGNORE, DataError
+    chat      a conversation -> its chat template's ids, the assistant turns' tokens found in them
     pairs     a preference row -> a chosen and a rejected sequence in one example
     tokenise  a loaded source -> tokenised examples, cached, under the length policy
     mix       the eval rows held out of each source, the train sources mixed by weight
@@ -26,7 +27,7 @@ from typing import Any
 
 # Public name -> the module of this package that defines it.
 _EXPORTS = {
-    "CHATML_TEMPLATE": "render",
+    "CHATML_TEMPLATE": "chat",
     "IGNORE": "render",
     "DataError": "render",
     "alpaca_prompt": "render",

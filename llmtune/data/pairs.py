@@ -23,7 +23,6 @@ from typing import Any
 from llmtune.data.render import (
     IGNORE,
     DataError,
-    _chat_ids,
     alpaca_prompt,
     check_messages,
     messages_of,
@@ -56,7 +55,9 @@ def _turns(value: Any, role: str) -> list[dict[str, str]]:
     return messages_of([value] if isinstance(value, dict) else value)
 
 
-def render_pair(values: dict[str, Any], columns: dict[str, str], tokenizer: Any) -> dict[str, Any]:
+def render_pair(
+    values: dict[str, Any], columns: dict[str, str], tokenizer: Any, train_reasoning: bool = True
+) -> dict[str, Any]:
     """One preference row (values keyed by llmtune field) -> the example (see the module docstring)."""
     prompt = values.get("prompt")
     if "instruction" in columns:
@@ -65,7 +66,7 @@ def render_pair(values: dict[str, Any], columns: dict[str, str], tokenizer: Any)
     if all(isinstance(v, str) for v in (prompt, chosen, rejected)):
         sequences = [render_prompt_completion(prompt, side, tokenizer, "completion") for side in (chosen, rejected)]
     else:
-        sequences = _render_chat_pair(prompt, chosen, rejected, columns, tokenizer)
+        sequences = _render_chat_pair(prompt, chosen, rejected, columns, tokenizer, train_reasoning)
     for (_, labels), side in zip(sequences, SIDES, strict=True):
         if all(label == IGNORE for label in labels):
             raise DataError(f"field `{columns[side]}`: renders to zero trained tokens")
@@ -80,7 +81,7 @@ def render_pair(values: dict[str, Any], columns: dict[str, str], tokenizer: Any)
 
 
 def _render_chat_pair(
-    prompt: Any, chosen: Any, rejected: Any, columns: dict[str, str], tokenizer: Any
+    prompt: Any, chosen: Any, rejected: Any, columns: dict[str, str], tokenizer: Any, train_reasoning: bool
 ) -> list[tuple[list[int], list[int]]]:
     chosen_turns, rejected_turns = _turns(chosen, "assistant"), _turns(rejected, "assistant")
     if prompt is None:
@@ -91,13 +92,12 @@ def _render_chat_pair(
     for turns, side in ((chosen_turns, "chosen"), (rejected_turns, "rejected")):
         if not turns or any(t["role"] != "assistant" for t in turns):
             raise DataError(f"field `{columns[side]}`: must continue the prompt with assistant turns only")
-    prompt_len = len(_chat_ids(tokenizer, prompt_turns, add_generation_prompt=True))
-    sequences = []
-    for turns in (chosen_turns, rejected_turns):
-        ids, labels = render_messages(prompt_turns + turns, tokenizer, "completion")
-        # The prompt's own assistant turns (earlier rounds) are context, not the completion being compared.
-        sequences.append((ids, [IGNORE] * min(prompt_len, len(ids)) + labels[prompt_len:]))
-    return sequences
+    # The prompt's own assistant turns (earlier rounds) are context, not the completion being compared.
+    first = len(prompt_turns)
+    return [
+        render_messages(prompt_turns + turns, tokenizer, "completion", train_reasoning, first)
+        for turns in (chosen_turns, rejected_turns)
+    ]
 
 
 def _shared_prefix(chosen: list[dict[str, str]], rejected: list[dict[str, str]], columns: dict[str, str]) -> list:

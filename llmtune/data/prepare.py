@@ -22,9 +22,10 @@ from typing import Any
 
 import datasets
 
+from llmtune.data.chat import ensure_chat_template
 from llmtune.data.mix import hold_out, mix_sources, mixture_counts
 from llmtune.data.pack import COLUMNS, pack
-from llmtune.data.render import DataError, ensure_chat_template
+from llmtune.data.render import DataError
 from llmtune.data.stats import DataStats, split_stats, summary
 from llmtune.data.tokenise import TokenisedSource, tokenise_source
 from llmtune.recipe import DataConfig

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llmtune.data.render import IGNORE, DataError, _chat_ids, messages_of, render_prompt
+from llmtune.data.chat import chat_ids
+from llmtune.data.render import IGNORE, DataError, messages_of, render_prompt
 
 
 def render_prompt_row(row: dict[str, Any], renames: dict[str, str], prompt_column: str, tokenizer: Any) -> dict:
@@ -23,7 +24,7 @@ def render_prompt_row(row: dict[str, Any], renames: dict[str, str], prompt_colum
     if isinstance(prompt, str):
         ids = render_prompt(prompt, tokenizer)
     else:
-        ids = _chat_ids(tokenizer, messages_of([prompt] if isinstance(prompt, dict) else prompt), True)
+        ids = chat_ids(tokenizer, messages_of([prompt] if isinstance(prompt, dict) else prompt), True)
     if not ids:
         raise DataError(f"field `{prompt_column}`: renders to no tokens")
     name_of = {column: name for name, column in renames.items()}

@@ -4,10 +4,9 @@
   boundary is exact and the prompt's ids are those the model sees at inference.
 * Alpaca rows (`instruction` [+ `input`] + `output`) become a prompt with the original Alpaca template.
 * ShareGPT rows (`conversations` of {from, value}) become `messages` (human -> user, gpt -> assistant).
-* Chats are rendered with the tokenizer's chat template; assistant tokens are found with the template's
-  `{% generation %}` markers when it has them, else by rendering the chat prefix by prefix and diffing ids.
-  A tokenizer without a template gets ChatML (with a warning), set on the tokenizer so a saved model
-  renders chats as it was trained.
+* Chats are rendered with the tokenizer's chat template (llmtune.data.chat: the whole conversation's ids, each
+  assistant turn's text and end-of-turn token trained). A tokenizer without a template gets ChatML (with a
+  warning), set on the tokenizer so a saved model renders chats as it was trained.
 * `preference` rows become a chosen and a rejected sequence in one example (llmtune.data.pairs).
 * The first token of every example has label -100: a causal LM's shifted loss never predicts it from
   inside the example, and in a packed row it would be predicted from the previous example's last token.
@@ -15,14 +14,11 @@
 
 from __future__ import annotations
 
-import logging
-import re
 from typing import Any
 
+from llmtune.data.chat import REASONING_KEYS, ChatError, render_chat
 from llmtune.errors import UserError
 from llmtune.recipe import SourceConfig
-
-logger = logging.getLogger(__name__)
 
 IGNORE = -100
 FORMAT_FIELDS = {
@@ -51,13 +47,6 @@ ALPACA_PROMPT_WITH_INPUT = (
     "Write a response that appropriately completes the request."
     "\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 )
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 class DataError(UserError, ValueError):
@@ -121,6 +110,10 @@ def _turn(turn: dict[str, Any]) -> tuple[Any, Any]:
     return role, content
 
 
+# Keys of a turn that reach the chat template beside role and content: reasoning, tool calls and their results.
+TURN_KEYS = (*REASONING_KEYS, "tool_calls", "tool_call_id", "name")
+
+
 def check_messages(value: Any) -> str | None:
     if not isinstance(value, list) or not value:
         return f"must be a non-empty list of {{role, content}} turns, got {value!r:.40}"
@@ -130,14 +123,22 @@ def check_messages(value: Any) -> str | None:
         role, content = _turn(turn)
         if not isinstance(role, str) or role not in SHAREGPT_ROLES:
             return f"turn {i}: role must be one of {', '.join(sorted(SHAREGPT_ROLES))}, got {role!r}"
-        if not isinstance(content, str):
+        if not isinstance(content, str) and not (content is None and turn.get("tool_calls")):
             return f"turn {i}: content must be a string, got {type(content).__name__}"
     return None
 
 
-def messages_of(value: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """{role, content} turns with ShareGPT roles (human, gpt) mapped to user and assistant."""
-    return [{"role": SHAREGPT_ROLES[role], "content": content} for role, content in map(_turn, value)]
+def messages_of(value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """{role, content} turns with ShareGPT roles (human, gpt) mapped to user and assistant; reasoning, tool calls
+    and tool results kept (a column's missing keys, None in Arrow, are dropped)."""
+    return [
+        {
+            "role": SHAREGPT_ROLES[role],
+            "content": content,
+            **{key: turn[key] for key in TURN_KEYS if turn.get(key) is not None},
+        }
+        for turn, (role, content) in ((turn, _turn(turn)) for turn in value)
+    ]
 
 
 def prompt_layout(src: SourceConfig, columns: dict[str, str]) -> str:
@@ -195,54 +196,15 @@ def render_prompt_completion(
     return ids, _mask_first([IGNORE] * len(prompt_ids) + completion_ids)
 
 
-def ensure_chat_template(tokenizer: Any) -> None:
-    """Give a tokenizer without a chat template ChatML, loudly (saved with the model, so inference matches)."""
-    if not getattr(tokenizer, "chat_template", None):
-        logger.warning(
-            "tokenizer has no chat template: rendering chats with ChatML (<|im_start|>role ... <|im_end|>) and"
-            " setting it on the tokenizer so the saved model renders chats as it was trained"
-        )
-        tokenizer.chat_template = CHATML_TEMPLATE
-
-
-def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    # transformers 5: tokenize=True returns a dict (BatchEncoding), not a list.
-    out = tokenizer.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True
-    )
-    return list(out["input_ids"])
-
-
-def render_messages(messages: list[dict[str, str]], tokenizer: Any, train_on: str) -> tuple[list[int], list[int]]:
-    """A chat rendered by the tokenizer's template; with train_on=completion only assistant turns are trained."""
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-    if _GENERATION_TAG.search(template):
-        out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-    else:
-        ids, mask = _ids_and_assistant_mask(messages, tokenizer)
+def render_messages(
+    messages: list[dict[str, Any]], tokenizer: Any, train_on: str, train_reasoning: bool = True, first_trained: int = 0
+) -> tuple[list[int], list[int]]:
+    """A chat rendered by the tokenizer's template; with train_on=completion only assistant turns (from index
+    `first_trained` on) are trained, each its text and end-of-turn token (llmtune.data.chat)."""
+    try:
+        ids, trained = render_chat(tokenizer, messages, train_reasoning, first_trained)
+    except ChatError as err:
+        raise DataError(str(err)) from None
     if train_on == "all":
         return ids, _mask_first(list(ids))
-    return ids, _mask_first([t if m else IGNORE for t, m in zip(ids, mask, strict=True)])
-
-
-def _ids_and_assistant_mask(messages: list[dict[str, str]], tokenizer: Any) -> tuple[list[int], list[int]]:
-    """Find each assistant turn's tokens by rendering prefixes: ids(chat[:k] + generation prompt) is
-    where turn k starts and ids(chat[:k+1]) where it ends; both must be prefixes of the whole chat."""
-    ids = _chat_ids(tokenizer, messages, add_generation_prompt=False)
-    mask = [0] * len(ids)
-    for k, turn in enumerate(messages):
-        if turn["role"] != "assistant":
-            continue
-        start_ids = _chat_ids(tokenizer, messages[:k], add_generation_prompt=True) if k else []
-        end_ids = _chat_ids(tokenizer, messages[: k + 1], add_generation_prompt=False)
-        if ids[: len(end_ids)] != end_ids or end_ids[: len(start_ids)] != start_ids:
-            raise DataError(
-                f"turn {k}: the chat template does not render this conversation prefix by prefix, so the"
-                " assistant tokens cannot be located (use a template with {% generation %} markers)"
-            )
-        for i in range(len(start_ids), len(end_ids)):
-            mask[i] = 1
-    return ids, mask
+    return ids, _mask_first([t if m else IGNORE for t, m in zip(ids, trained, strict=True)])

@@ -62,7 +62,13 @@ def tokenise_source(
         with_indices=True,
         remove_columns=raw.column_names,
         num_proc=cfg.num_proc if cfg.num_proc > 1 and len(raw) >= 2 * cfg.num_proc else None,
-        fn_kwargs={"src": src, "columns": columns, "tokenizer": tokenizer, "train_on": cfg.train_on},
+        fn_kwargs={
+            "src": src,
+            "columns": columns,
+            "tokenizer": tokenizer,
+            "train_on": cfg.train_on,
+            "train_reasoning": cfg.train_reasoning,
+        },
         desc=f"Tokenising {src.path}",
     )
     # A prompt cut short asks another question: overlong prompts are dropped whatever `overlong` says.
@@ -82,7 +88,14 @@ def tokenise_source(
 
 
 def tokenise_row(
-    row: dict[str, Any], index: int, *, src: SourceConfig, columns: dict[str, str], tokenizer: Any, train_on: str
+    row: dict[str, Any],
+    index: int,
+    *,
+    src: SourceConfig,
+    columns: dict[str, str],
+    tokenizer: Any,
+    train_on: str,
+    train_reasoning: bool = True,
 ) -> dict[str, Any]:
     """datasets.map function: one source row -> input_ids, labels, length, n_trained."""
     where = f"{src.path}: row {index + 1}"
@@ -92,7 +105,7 @@ def tokenise_row(
         raise DataError(f"{where}: field `{problem[0]}`: {problem[1]}")
     if src.format == "preference":
         try:
-            return render_pair(canonical, columns, tokenizer)
+            return render_pair(canonical, columns, tokenizer, train_reasoning)
         except DataError as err:  # pairs name the field themselves (chosen or rejected)
             raise DataError(f"{where}: {err}") from None
     if src.format == "prompt":
@@ -105,7 +118,7 @@ def tokenise_row(
             raise DataError(f"{where}: field `{columns['prompt']}`: cannot render: {first_line}") from err
     first_column = next(iter(columns.values()))
     try:
-        ids, labels = _render(src.format, canonical, columns, tokenizer, train_on)
+        ids, labels = _render(src.format, canonical, columns, tokenizer, train_on, train_reasoning)
     except DataError as err:
         raise DataError(f"{where}: field `{first_column}`: {err}") from None
     except Exception as err:  # a chat template may raise anything (jinja's raise_exception, TypeError...)
@@ -119,7 +132,7 @@ def tokenise_row(
 
 
 def _render(
-    fmt: str, values: dict[str, Any], columns: dict[str, str], tokenizer: Any, train_on: str
+    fmt: str, values: dict[str, Any], columns: dict[str, str], tokenizer: Any, train_on: str, train_reasoning: bool
 ) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of a valid text, prompt/completion (Alpaca included) or chat row."""
     if fmt == "text":
@@ -129,7 +142,7 @@ def _render(
         if "instruction" in columns:
             prompt = alpaca_prompt(values["instruction"], values.get("input") or "")
         return render_prompt_completion(prompt, values["completion"], tokenizer, train_on)
-    return render_messages(messages_of(values["messages"]), tokenizer, train_on)
+    return render_messages(messages_of(values["messages"]), tokenizer, train_on, train_reasoning)
 
 
 def apply_length_policy(

@@ -1,0 +1,306 @@
+"""Chats through the tokenizer's own chat template: the ids a conversation renders to, and which of them are trained.
+
+The ids are the template's rendering of the whole conversation, exactly what `apply_chat_template` gives (the text,
+then the tokenizer without added special tokens), so the model trains on what it sees at inference for that
+history. The trained tokens are each assistant turn's text and the end-of-turn token after it, nothing else: not the
+newline a template writes after that token, not the next role's header.
+
+Turns are found in the rendered text, not by rendering prefixes (which breaks on templates that render history
+differently from the last turn: Qwen3 drops earlier reasoning, Mistral moves the system prompt to the last user
+turn). The conversation is rendered a second time with each assistant text replaced by a marker; the text between
+markers is the template's own and must equal the real rendering around each text (as given, or as the template
+trimmed it), which places every text to the character. The fast tokenizer's offsets map characters to tokens, and
+the end-of-turn token is the first special token after the text (whitespace between is trained too: the model
+writes it). A template whose rendering of a text cannot be placed so is refused, naming the turn.
+
+* `{% generation %}` markers, where a template has them, decide instead (transformers' assistant mask).
+* Reasoning (`reasoning_content`; `thinking` or `reasoning` also read; or a leading `<think>...</think>` in the
+  content) reaches the template under the key it reads; what it renders is trained or not by
+  `data.train_reasoning`. Templates that drop earlier turns' reasoning drop it here too.
+* Tool calls (`tool_calls`) and `tool` turns pass through as the template renders them; a call is trained from the
+  assistant header (the template's generation prompt) to its end-of-turn token.
+* A template that refuses a system turn (Gemma-2 raises) gets it folded into the first user turn, said once.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+from collections.abc import Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # Qwen3 / DeepSeek, gpt-oss, Gemma-4
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_INLINE_THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # used with .match: at the text's start
+_MARKER = re.compile(r"@@llmtune:(\d+):([crt]\d*)@@")
+_folded_templates: set[str] = set()
+
+
+class ChatError(ValueError):
+    """A conversation whose assistant turns cannot be placed in the template's rendering (the message says which)."""
+
+
+def ensure_chat_template(tokenizer: Any) -> None:
+    """Give a tokenizer without a chat template ChatML, loudly (saved with the model, so inference matches)."""
+    if not getattr(tokenizer, "chat_template", None):
+        logger.warning(
+            "tokenizer has no chat template: rendering chats with ChatML (<|im_start|>role ... <|im_end|>) and"
+            " setting it on the tokenizer so the saved model renders chats as it was trained"
+        )
+        tokenizer.chat_template = CHATML_TEMPLATE
+
+
+def _template(tokenizer: Any) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "\n".join(template.values()) if isinstance(template, dict) else str(template)
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def as_rendered(tokenizer: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The turns as the template is given them: reasoning under the key it reads, and a system turn it refuses
+    folded into the first user turn (said once per template)."""
+    messages = _reasoning_for(_template(tokenizer), messages)
+    try:
+        _render(tokenizer, messages, add_generation_prompt=False)
+        return messages
+    except Exception:  # a chat template may raise anything (jinja's raise_exception, TypeError...)
+        folded = _fold_system(messages)
+        if folded is None:
+            raise
+        _render(tokenizer, folded, add_generation_prompt=False)  # the template's own error if it still refuses
+        template = _template(tokenizer)
+        if template not in _folded_templates:
+            _folded_templates.add(template)
+            logger.warning("the chat template refuses a system turn: folding it into the first user turn")
+        return folded
+
+
+def _fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    if len(messages) < 2 or messages[0]["role"] != "system" or messages[1]["role"] != "user":
+        return None
+    user = {**messages[1], "content": f"{messages[0]['content']}\n\n{messages[1]['content']}"}
+    return [user, *messages[2:]]
+
+
+def _reasoning_for(template: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Reasoning under the key the template reads; a leading <think> block split off the content only for a template
+    that reads reasoning from a key (others render the content, think block included, as they choose)."""
+    key = next(
+        (k for k in REASONING_KEYS if re.search(rf"\.{k}\b|\[['\"]{k}['\"]\]|get\(['\"]{k}['\"]", template)), None
+    )
+    out = []
+    for turn in messages:
+        turn = dict(turn)
+        if turn["role"] == "assistant":
+            reasoning = next((turn.pop(k) for k in REASONING_KEYS if turn.get(k) is not None), None)
+            inline = _INLINE_THINK.match(turn.get("content") or "") if key else None
+            if reasoning is None and inline:
+                reasoning, turn["content"] = inline.group(1).strip("\n"), turn["content"][inline.end() :]
+            if reasoning is not None and key:
+                turn[key] = reasoning
+        out.append(turn)
+    return out
+
+
+def chat_text(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    return _render(tokenizer, as_rendered(tokenizer, messages), add_generation_prompt)
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    """The ids `apply_chat_template(..., tokenize=True)` gives (system turn folded where the template refuses it)."""
+    return list(tokenizer(chat_text(tokenizer, messages, add_generation_prompt), add_special_tokens=False)["input_ids"])
+
+
+def render_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], train_reasoning: bool = True, first_trained: int = 0
+) -> tuple[list[int], list[bool]]:
+    """The conversation's ids and, per id, whether it is trained: assistant turns from index `first_trained` on
+    (a preference pair's earlier rounds are context), each its text and end-of-turn token."""
+    messages = as_rendered(tokenizer, messages)
+    template = _template(tokenizer)
+    if _GENERATION_TAG.search(template):
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids, mask = list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+        first = len(chat_ids(tokenizer, messages[:first_trained], True)) if first_trained else 0
+        return ids, [m and i >= first for i, m in enumerate(mask)]
+    text = _render(tokenizer, messages, add_generation_prompt=False)
+    spans = _place(text, _render(tokenizer, _with_markers(messages), add_generation_prompt=False), messages)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
+    trained = [False] * len(ids)
+    header, special, floor = _generation_prompt(tokenizer), _special_ids(tokenizer), 0
+    for k in sorted({k for k, _ in spans}):
+        parts = {part: span for (turn, part), span in spans.items() if turn == k}
+        start, end = _turn_range(text, parts, header, floor, train_reasoning)
+        floor = max(floor, *(e for _, e in parts.values()))
+        if k < first_trained or start >= end:
+            continue
+        _mark(trained, offsets, start, end)
+        last = max(i for i, (s, e) in enumerate(offsets) if s < end and e > s)
+        _mark_end_of_turn(trained, ids, offsets, text, last, special)
+    return ids, trained
+
+
+def _with_markers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The turns with each assistant text (content, reasoning, a tool call's function name) replaced by a marker."""
+    marked = copy.deepcopy(messages)
+    for k, turn in enumerate(marked):
+        if turn["role"] != "assistant":
+            continue
+        if isinstance(turn.get("content"), str) and turn["content"]:
+            turn["content"] = f"@@llmtune:{k}:c@@"
+        for key in REASONING_KEYS:
+            if isinstance(turn.get(key), str) and turn[key]:
+                turn[key] = f"@@llmtune:{k}:r@@"
+        for j, call in enumerate(turn.get("tool_calls") or []):
+            function = call.get("function", call) if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("name"), str):
+                function["name"] = f"@@llmtune:{k}:t{j}@@"
+    return marked
+
+
+def _original(messages: list[dict[str, Any]], k: int, part: str) -> str:
+    turn = messages[k]
+    if part == "c":
+        return turn["content"]
+    if part == "r":
+        return next(turn[key] for key in REASONING_KEYS if isinstance(turn.get(key), str) and turn[key])
+    call = turn["tool_calls"][int(part[1:])]
+    return call.get("function", call)["name"]
+
+
+def _place(text: str, marked: str, messages: list[dict[str, Any]]) -> dict[tuple[int, str], tuple[int, int]]:
+    """{(turn, part): (start, end) in text} from the marked rendering: the template's own text between markers must
+    equal the real rendering's, each marker standing for its text as given or as the template trimmed it."""
+    pieces = _MARKER.split(marked)  # literal, turn, part, literal, turn, part, ..., literal
+    spans: dict[tuple[int, str], tuple[int, int]] = {}
+    at = 0
+    for i in range(0, len(pieces), 3):
+        literal = pieces[i]
+        if not text.startswith(literal, at):
+            raise ChatError(_unplaced(spans, messages))
+        at += len(literal)
+        if i + 1 == len(pieces):
+            break
+        k, part, after = int(pieces[i + 1]), pieces[i + 2], pieces[i + 3]
+        value = _original(messages, k, part)
+        shown = next(
+            (v for v in _trimmed(value) if text.startswith(v, at) and text.startswith(after, at + len(v))), None
+        )
+        if shown is None:
+            raise ChatError(_unplaced({**spans, (k, part): (at, at)}, messages))
+        spans.setdefault((k, part), (at, at + len(shown)))
+        at += len(shown)
+    if at != len(text):
+        raise ChatError(_unplaced(spans, messages))
+    return spans
+
+
+def _trimmed(value: str) -> dict[str, None]:
+    """What templates do to a text before writing it: nothing, `| trim`, Qwen3's lstrip('\\n') / strip('\\n'), and
+    DeepSeek-R1's dropping of a reasoning block (`content.split('</think>')[-1]`)."""
+    forms = (value, value.split("</think>")[-1]) if "</think>" in value else (value,)
+    return dict.fromkeys(
+        f for v in forms for f in (v, v.strip(), v.lstrip("\n"), v.strip("\n"), v.rstrip(), v.lstrip())
+    )
+
+
+def _unplaced(spans: dict[tuple[int, str], tuple[int, int]], messages: list[dict[str, Any]]) -> str:
+    turn = max((k for k, _ in spans), default=next(k for k, t in enumerate(messages) if t["role"] == "assistant"))
+    return (
+        f"turn {turn}: the chat template rewrites this assistant turn's text (not only trimming it), so its tokens"
+        " cannot be located in the rendering; give the template {% generation %} markers, or the text as the"
+        " template writes it"
+    )
+
+
+def _turn_range(
+    text: str, parts: dict[str, tuple[int, int]], header: str, floor: int, train_reasoning: bool
+) -> tuple[int, int]:
+    """The characters an assistant turn trains, one stretch: its text (past a <think> block the template wrote inside
+    it, when reasoning is not trained), its reasoning from the block's opening (when trained), its tool calls from
+    the assistant header."""
+    starts, ends = [], []
+    if "c" in parts:
+        start, end = parts["c"]
+        think = None if train_reasoning else _INLINE_THINK.match(text, start, end)
+        starts.append(think.end() if think else start)
+        ends.append(end)
+    for part, (start, end) in parts.items():
+        if part.startswith("t") or (part == "r" and train_reasoning):
+            starts.append(_opening(text, start, header, floor))
+            ends.append(end)
+    return (min(starts), max(ends)) if starts else (0, 0)
+
+
+def _opening(text: str, start: int, header: str, floor: int) -> int:
+    """Where the model starts writing a reasoning block or a tool call: after the assistant header (the template's
+    generation prompt) when it ends at most 40 characters before (`<think>\n`, gpt-oss's channel tags), after the
+    previous turn; else at a `<think>` just before; else at `start`."""
+    found = text.rfind(header, floor, start) if header else -1
+    if found >= 0 and start - (found + len(header)) <= 40:
+        return found + len(header)
+    before = text[:start].rstrip()
+    return len(before) - len("<think>") if before.endswith("<think>") else start
+
+
+def _mark(trained: list[bool], offsets: Sequence[tuple[int, int]], start: int, end: int) -> None:
+    for i, (s, e) in enumerate(offsets):
+        if s < end and e > start and e > s:
+            trained[i] = True
+
+
+def _mark_end_of_turn(
+    trained: list[bool], ids: list[int], offsets: Sequence[tuple[int, int]], text: str, last: int, special: set[int]
+) -> None:
+    """Train the first special token after a turn's last trained token, and the whitespace before it (the model
+    writes both to end its turn); nothing when text comes first (a template without an end-of-turn token)."""
+    for i in range(last + 1, len(ids)):
+        if ids[i] in special:
+            for j in range(last + 1, i + 1):
+                trained[j] = True
+            return
+        s, e = offsets[i]
+        if text[s:e].strip():
+            return
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return set(tokenizer.all_special_ids) | {i for i, token in added.items() if getattr(token, "special", False)}
+
+
+def _generation_prompt(tokenizer: Any) -> str:
+    """The assistant header the template writes for a reply (after a one-turn chat), or '' when it cannot tell."""
+    probe = [{"role": "user", "content": "@@llmtune:probe@@"}]
+    try:
+        bare, prompted = _render(tokenizer, probe, False), _render(tokenizer, probe, True)
+    except Exception:  # a template that needs more than one user turn
+        return ""
+    return prompted[len(bare) :] if prompted.startswith(bare) else ""
+
+
+def end_of_turn_ids(tokenizer: Any) -> list[int]:
+    """The token the template writes to end a reply (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, gpt-oss's
+    `<|return|>`...): the special token after the assistant text of a one-exchange chat; [] when there is none."""
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    try:
+        ids, trained = render_chat(tokenizer, probe)
+    except Exception:  # a template that refuses the probe: no stop from it
+        return []
+    last = max((i for i, t in enumerate(trained) if t), default=None)
+    return [ids[last]] if last is not None and ids[last] in _special_ids(tokenizer) else []
