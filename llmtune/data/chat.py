@@ -25,6 +25,7 @@ writes it). A template whose rendering of a text cannot be placed so is refused,
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import re
 from collections.abc import Sequence
@@ -38,11 +39,13 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+TOOL_CALL_ENDS = ("<|call|>", "<|eom_id|>", "<tool_call|>")  # gpt-oss, Llama 3.1's built-in tools, Gemma-4
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # Qwen3 / DeepSeek, gpt-oss, Gemma-4
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _INLINE_THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # used with .match: at the text's start
-_MARKER = re.compile(r"@@llmtune:(\d+):([crt]\d*)@@")
+_MARKER = re.compile(r"@@llmtune:(\d+):([crto]\d*)@@")
 _folded_templates: set[str] = set()
+Tools = list[dict[str, Any]] | None  # function schemas, as `apply_chat_template(tools=...)` takes them
 
 
 class ChatError(ValueError):
@@ -64,22 +67,24 @@ def _template(tokenizer: Any) -> str:
     return "\n".join(template.values()) if isinstance(template, dict) else str(template)
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Tools = None) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
 
 
-def as_rendered(tokenizer: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def as_rendered(tokenizer: Any, messages: list[dict[str, Any]], tools: Tools = None) -> list[dict[str, Any]]:
     """The turns as the template is given them: reasoning under the key it reads, and a system turn it refuses
     folded into the first user turn (said once per template)."""
     messages = _reasoning_for(_template(tokenizer), messages)
     try:
-        _render(tokenizer, messages, add_generation_prompt=False)
+        _render(tokenizer, messages, False, tools)
         return messages
     except Exception:  # a chat template may raise anything (jinja's raise_exception, TypeError...)
         folded = _fold_system(messages)
         if folded is None:
             raise
-        _render(tokenizer, folded, add_generation_prompt=False)  # the template's own error if it still refuses
+        _render(tokenizer, folded, False, tools)  # the template's own error if it still refuses
         template = _template(tokenizer)
         if template not in _folded_templates:
             _folded_templates.add(template)
@@ -114,36 +119,37 @@ def _reasoning_for(template: str, messages: list[dict[str, Any]]) -> list[dict[s
     return out
 
 
-def chat_text(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-    return _render(tokenizer, as_rendered(tokenizer, messages), add_generation_prompt)
+def chat_text(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Tools = None) -> str:
+    return _render(tokenizer, as_rendered(tokenizer, messages, tools), add_generation_prompt, tools)
 
 
-def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+def chat_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Tools = None
+) -> list[int]:
     """The ids `apply_chat_template(..., tokenize=True)` gives (system turn folded where the template refuses it)."""
-    return list(tokenizer(chat_text(tokenizer, messages, add_generation_prompt), add_special_tokens=False)["input_ids"])
+    text = chat_text(tokenizer, messages, add_generation_prompt, tools)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def render_chat(
-    tokenizer: Any, messages: list[dict[str, Any]], train_reasoning: bool = True, first_trained: int = 0
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    train_reasoning: bool = True,
+    first_trained: int = 0,
+    tools: Tools = None,
 ) -> tuple[list[int], list[bool]]:
     """The conversation's ids and, per id, whether it is trained: assistant turns from index `first_trained` on
     (a preference pair's earlier rounds are context), each its text and end-of-turn token."""
-    messages = as_rendered(tokenizer, messages)
-    template = _template(tokenizer)
-    if _GENERATION_TAG.search(template):
-        out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        ids, mask = list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
-        first = len(chat_ids(tokenizer, messages[:first_trained], True)) if first_trained else 0
-        return ids, [m and i >= first for i, m in enumerate(mask)]
-    text = _render(tokenizer, messages, add_generation_prompt=False)
-    spans = _place(text, _render(tokenizer, _with_markers(messages), add_generation_prompt=False), messages)
+    messages = as_rendered(tokenizer, messages, tools)
+    if _GENERATION_TAG.search(_template(tokenizer)):
+        return _by_generation_tags(tokenizer, messages, first_trained, tools)
+    text = _render(tokenizer, messages, False, tools)
+    spans = _place(text, _render(tokenizer, _with_markers(messages), False, tools), messages)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
     trained = [False] * len(ids)
     header, special, floor = _generation_prompt(tokenizer), _special_ids(tokenizer), 0
-    for k in sorted({k for k, _ in spans}):
+    for k in sorted({k for k, part in spans if part != "o"}):
         parts = {part: span for (turn, part), span in spans.items() if turn == k}
         start, end = _turn_range(text, parts, header, floor, train_reasoning)
         floor = max(floor, *(e for _, e in parts.values()))
@@ -151,14 +157,33 @@ def render_chat(
             continue
         _mark(trained, offsets, start, end)
         last = max(i for i, (s, e) in enumerate(offsets) if s < end and e > s)
-        _mark_end_of_turn(trained, ids, offsets, text, last, special)
+        if any(part.startswith("t") for part in parts):
+            bound = min((s for s, _ in spans.values() if s >= end), default=len(text))
+            _mark_call_end(trained, ids, offsets, last, bound, _call_ends(tokenizer))
+        else:
+            _mark_end_of_turn(trained, ids, offsets, text, last, special)
     return ids, trained
 
 
+def _by_generation_tags(
+    tokenizer: Any, messages: list[dict[str, Any]], first_trained: int, tools: Tools
+) -> tuple[list[int], list[bool]]:
+    """What the template's own `{% generation %}` markers enclose (transformers' assistant mask)."""
+    out = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    ids, mask = list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+    first = len(chat_ids(tokenizer, messages[:first_trained], True, tools)) if first_trained else 0
+    return ids, [m and i >= first for i, m in enumerate(mask)]
+
+
 def _with_markers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The turns with each assistant text (content, reasoning, a tool call's function name) replaced by a marker."""
+    """The turns with each assistant text (content, reasoning, a tool call's function name) and each tool output
+    replaced by a marker."""
     marked = copy.deepcopy(messages)
     for k, turn in enumerate(marked):
+        if turn["role"] == "tool" and isinstance(turn.get("content"), str) and turn["content"]:
+            turn["content"] = f"@@llmtune:{k}:o@@"  # a tool's output: where the call before it ended at the latest
         if turn["role"] != "assistant":
             continue
         if isinstance(turn.get("content"), str) and turn["content"]:
@@ -175,7 +200,7 @@ def _with_markers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _original(messages: list[dict[str, Any]], k: int, part: str) -> str:
     turn = messages[k]
-    if part == "c":
+    if part in ("c", "o"):
         return turn["content"]
     if part == "r":
         return next(turn[key] for key in REASONING_KEYS if isinstance(turn.get(key), str) and turn[key])
@@ -212,11 +237,10 @@ def _place(text: str, marked: str, messages: list[dict[str, Any]]) -> dict[tuple
 
 def _trimmed(value: str) -> dict[str, None]:
     """What templates do to a text before writing it: nothing, `| trim`, Qwen3's lstrip('\\n') / strip('\\n'), and
-    DeepSeek-R1's dropping of a reasoning block (`content.split('</think>')[-1]`)."""
+    DeepSeek-R1's dropping of a reasoning block (`content.split('</think>')[-1]`), JSON quoting (gpt-oss)."""
     forms = (value, value.split("</think>")[-1]) if "</think>" in value else (value,)
-    return dict.fromkeys(
-        f for v in forms for f in (v, v.strip(), v.lstrip("\n"), v.strip("\n"), v.rstrip(), v.lstrip())
-    )
+    trims = (f for v in forms for f in (v, v.strip(), v.lstrip("\n"), v.strip("\n"), v.rstrip(), v.lstrip()))
+    return dict.fromkeys((*trims, json.dumps(value, ensure_ascii=False)))  # a tool output written `| tojson`
 
 
 def _unplaced(spans: dict[tuple[int, str], tuple[int, int]], messages: list[dict[str, Any]]) -> str:
@@ -248,12 +272,13 @@ def _turn_range(
 
 
 def _opening(text: str, start: int, header: str, floor: int) -> int:
-    """Where the model starts writing a reasoning block or a tool call: after the assistant header (the template's
-    generation prompt) when it ends at most 40 characters before (`<think>\n`, gpt-oss's channel tags), after the
-    previous turn; else at a `<think>` just before; else at `start`."""
-    found = text.rfind(header, floor, start) if header else -1
-    if found >= 0 and start - (found + len(header)) <= 40:
-        return found + len(header)
+    """Where the model starts writing a reasoning block or a tool call: right after this turn's assistant header (the
+    template's generation prompt, or its part before a `<think>` it opens for a reply, as DeepSeek-R1's), the last one
+    after the previous turn; else at a `<think>` just before; else at `start` (a template without a header)."""
+    for form in dict.fromkeys((header, header.split("<think>")[0])):
+        found = text.rfind(form, floor, start) if form else -1
+        if found >= 0:
+            return found + len(form)
     before = text[:start].rstrip()
     return len(before) - len("<think>") if before.endswith("<think>") else start
 
@@ -277,6 +302,26 @@ def _mark_end_of_turn(
         s, e = offsets[i]
         if text[s:e].strip():
             return
+
+
+def _mark_call_end(
+    trained: list[bool], ids: list[int], offsets: Sequence[tuple[int, int]], last: int, bound: int, ends: set[int]
+) -> None:
+    """Train a tool call's arguments and the token that ends the call (the template's end of turn, eos, or a call's
+    own end: gpt-oss `<|call|>`, Llama 3.1 `<|eom_id|>`, Gemma-4 `<tool_call|>`), before the next located text."""
+    for i in range(last + 1, len(ids)):
+        if offsets[i][0] >= bound:
+            return
+        if ids[i] in ends:
+            for j in range(last + 1, i + 1):
+                trained[j] = True
+            return
+
+
+def _call_ends(tokenizer: Any) -> set[int]:
+    known = [tokenizer.convert_tokens_to_ids(token) for token in TOOL_CALL_ENDS]
+    ends = {i for i in known if isinstance(i, int) and i != tokenizer.unk_token_id}
+    return ends | set(end_of_turn_ids(tokenizer)) | ({tokenizer.eos_token_id} - {None})
 
 
 def _special_ids(tokenizer: Any) -> set[int]:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from llmtune.data.chat import REASONING_KEYS, ChatError, render_chat
@@ -197,14 +198,23 @@ def render_prompt_completion(
 
 
 def render_messages(
-    messages: list[dict[str, Any]], tokenizer: Any, train_on: str, train_reasoning: bool = True, first_trained: int = 0
+    messages: list[dict[str, Any]],
+    tokenizer: Any,
+    train_on: str,
+    train_reasoning: bool = True,
+    first_trained: int = 0,
+    tools: Any = None,
 ) -> tuple[list[int], list[int]]:
-    """A chat rendered by the tokenizer's template; with train_on=completion only assistant turns (from index
-    `first_trained` on) are trained, each its text and end-of-turn token (llmtune.data.chat)."""
+    """A chat rendered by the tokenizer's template (with the row's `tools` schemas, a list or its JSON text, when it
+    has them); with train_on=completion only assistant turns (from index `first_trained` on) are trained, each its
+    text and end-of-turn token (llmtune.data.chat)."""
     try:
-        ids, trained = render_chat(tokenizer, messages, train_reasoning, first_trained)
+        tools = json.loads(tools) if isinstance(tools, str) else tools
+        ids, trained = render_chat(tokenizer, messages, train_reasoning, first_trained, tools)
     except ChatError as err:
         raise DataError(str(err)) from None
+    except json.JSONDecodeError as err:
+        raise DataError(f"column `tools`: not JSON ({err.msg})") from None
     if train_on == "all":
         return ids, _mask_first(list(ids))
     return ids, _mask_first([t if m else IGNORE for t, m in zip(ids, trained, strict=True)])

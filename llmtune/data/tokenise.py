@@ -117,6 +117,7 @@ def tokenise_row(
             first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise DataError(f"{where}: field `{columns['prompt']}`: cannot render: {first_line}") from err
     first_column = next(iter(columns.values()))
+    canonical["tools"] = row.get("tools")  # function schemas beside a chat (TRL's column), for its template
     try:
         ids, labels = _render(src.format, canonical, columns, tokenizer, train_on, train_reasoning)
     except DataError as err:
@@ -142,7 +143,8 @@ def _render(
         if "instruction" in columns:
             prompt = alpaca_prompt(values["instruction"], values.get("input") or "")
         return render_prompt_completion(prompt, values["completion"], tokenizer, train_on)
-    return render_messages(messages_of(values["messages"]), tokenizer, train_on, train_reasoning)
+    messages = messages_of(values["messages"])
+    return render_messages(messages, tokenizer, train_on, train_reasoning, tools=values.get("tools"))
 
 
 def apply_length_policy(
