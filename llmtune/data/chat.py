@@ -240,7 +240,7 @@ def _trimmed(value: str) -> dict[str, None]:
     DeepSeek-R1's dropping of a reasoning block (`content.split('</think>')[-1]`), JSON quoting (gpt-oss)."""
     forms = (value, value.split("</think>")[-1]) if "</think>" in value else (value,)
     trims = (f for v in forms for f in (v, v.strip(), v.lstrip("\n"), v.strip("\n"), v.rstrip(), v.lstrip()))
-    return dict.fromkeys((*trims, json.dumps(value, ensure_ascii=False)))  # a tool output written `| tojson`
+    return dict.fromkeys((*trims, json.dumps(value, ensure_ascii=False)[1:-1]))  # in `| tojson`: quotes are its own
 
 
 def _unplaced(spans: dict[tuple[int, str], tuple[int, int]], messages: list[dict[str, Any]]) -> str:
