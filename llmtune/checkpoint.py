@@ -71,11 +71,12 @@ def resume_point(r: Recipe) -> Path | None:
     """
     path = resolve_resume(r.output_dir, r.checkpoint.resume)
     if path is None:
-        if r.checkpoint.resume == "none" and complete_checkpoints(r.output_dir):
+        if r.checkpoint.resume == "none" and not r.overwrite and complete_checkpoints(r.output_dir):
             # Starting over here would prune the earlier run's checkpoints as if they were ours.
             raise ResumeError(
                 f"{r.output_dir} already holds checkpoints of an earlier run and checkpoint.resume=none: set"
-                " checkpoint.resume=auto to continue it, or use another output_dir (or delete this one)"
+                " checkpoint.resume=auto to continue it, or use another output_dir (or delete this one, or set"
+                " overwrite=true)"
             )
         return None
     breaking, harmless = continuity_problems(saved_recipe(path), r.to_dict())

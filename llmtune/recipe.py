@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -341,7 +342,15 @@ class GRPOConfig:
 class Recipe:
     model: ModelConfig = doc("The causal LM and its tokenizer.")
     data: DataConfig = doc("Where the examples come from and how they become tokens.", factory=DataConfig)
-    output_dir: str = doc("Where recipe.yaml, metrics.jsonl, checkpoints/ and final/ go.", "runs/default")
+    output_dir: str = doc(
+        "Where recipe.yaml, metrics.jsonl, checkpoints/ and final/ go (`~` is expanded).", "runs/default"
+    )
+    overwrite: bool = doc(
+        "Let a new run write into an output_dir that holds a finished run (final/) or files no llmtune run wrote,"
+        " replacing its final/, metrics.jsonl and recipe.yaml (and, with checkpoint.resume none, pruning its"
+        " checkpoints as this run's). Without it such a folder is refused; resuming a checkpoint needs no overwrite.",
+        False,
+    )
     seed: int = doc("Seed for initialisation, data order and dropout.", 42)
     training: TrainingConfig = doc("The optimisation.", factory=TrainingConfig)
     memory: MemoryConfig = doc("Memory planning.", factory=MemoryConfig)
@@ -352,6 +361,10 @@ class Recipe:
         "Preference tuning settings (training.objective dpo / orpo / simpo).", factory=PreferenceConfig
     )
     grpo: GRPOConfig = doc("Online RL settings (training.objective grpo).", factory=GRPOConfig)
+
+    def __post_init__(self) -> None:
+        # As a shell would: left alone, `~/runs/x` made a folder named `~` in the working directory.
+        object.__setattr__(self, "output_dir", os.path.expanduser(self.output_dir))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

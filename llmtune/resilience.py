@@ -68,6 +68,7 @@ def stop_after_out_of_memory(run: Run, where: str, per_process: int) -> NoReturn
             process_index,
             where,
         )
+        run.lock.release()
         logging.shutdown()
         os._exit(EXIT_FAILED)
     smaller = shrink_plan(plan, per_process)
@@ -87,6 +88,7 @@ def stop_after_out_of_memory(run: Run, where: str, per_process: int) -> NoReturn
         EXIT_PREEMPTED,
         smaller.micro_batch_size,
     )
+    run.lock.release()  # no `finally` runs after os._exit: the same command must find the folder free
     logging.shutdown()
     os._exit(EXIT_PREEMPTED)  # not an exception: unwinding could wait on the peers' collectives
 

@@ -15,6 +15,7 @@ from llmtune.metrics import ModelFlops
 from llmtune.objectives import Objective
 from llmtune.parallel import Engine
 from llmtune.recipe import Recipe
+from llmtune.rundir import RunLock
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Run:
     start_step: int = 0
     speed: dict[str, Any] | None = None  # the time model's prediction against the run's first timed steps
     counters: dict[str, int] = field(default_factory=lambda: {"trained_tokens": 0, "skipped_steps": 0})
+    lock: RunLock = field(default_factory=RunLock)  # the output_dir's, on the main process (llmtune.rundir)
 
 
 class StepResult(NamedTuple):

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from llmtune import checkpoint, parallel
+from llmtune import checkpoint, parallel, rundir
 from llmtune.data import batch_for_step, eval_batches, prepare_data, squared_lengths
 from llmtune.errors import EXIT_PREEMPTED
 from llmtune.launch import make_accelerator
@@ -27,7 +28,7 @@ from llmtune.loss import resolve_loss_impl
 from llmtune.memory import BatchPlan, PeakMemoryTracker
 from llmtune.metrics import MetricsLogger, peak_flops
 from llmtune.model import load_config, load_model, load_tokenizer
-from llmtune.objectives import AttachContext, objective_for, trained_tokens
+from llmtune.objectives import AttachContext, Objective, objective_for, trained_tokens
 from llmtune.parallelize import parallelize
 from llmtune.planning import PlanError, TrainingError, plan_run, shrink_plan
 from llmtune.preemption import Preemption
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 
 
 def build(recipe: Recipe) -> Run:
-    # The first line of a run: where to look (the folder is created when training starts, not before).
+    # The first line of a run: where to look (the folder is created when the run claims it, below).
     log.info(
         "llmtune run -> %s (recipe.yaml, metrics.jsonl, run_summary.json, checkpoints/, final/)",
         Path(recipe.output_dir).resolve(),
@@ -59,6 +60,26 @@ def build(recipe: Recipe) -> Run:
     accelerator, precision, precision_why = make_accelerator(recipe, engine, objective)
     engine = parallel.engine_in_use(engine)
     resume_from = checkpoint.resume_point(recipe)  # before anything heavy loads: a refusal costs nothing
+    lock = rundir.claim(accelerator, recipe.output_dir, resuming=resume_from is not None, overwrite=recipe.overwrite)
+    try:
+        run = assemble(recipe, objective, engine, accelerator, precision, precision_why, resume_from)
+    except BaseException:
+        lock.release()
+        raise
+    run.lock = lock  # released when `fit` ends, however it ends
+    return run
+
+
+def assemble(
+    recipe: Recipe,
+    objective: Objective,
+    engine: parallel.Engine,
+    accelerator: Accelerator,
+    precision: str,
+    precision_why: str,
+    resume_from: Path | None,
+) -> Run:
+    """Tokenizer and data -> memory plan -> model -> `parallelize` -> the objective's pre-training pass -> resume."""
     set_seed(recipe.seed)
     tokenizer = load_tokenizer(recipe.model)
     data = prepare_data(recipe.data, tokenizer, seed=recipe.seed, main_process_first=accelerator.main_process_first)
@@ -118,6 +139,14 @@ def resume(run: Run, path: Path) -> None:
 
 
 def fit(run: Run) -> dict[str, Any]:
+    """`loop`, then the output_dir's lock released: another run may use the folder once this one has ended."""
+    try:
+        return loop(run)
+    finally:
+        run.lock.release()
+
+
+def loop(run: Run) -> dict[str, Any]:
     r, acc = run.recipe, run.accelerator
     out = Path(r.output_dir)
     if acc.is_main_process:

@@ -534,7 +534,7 @@ def test_precomputed_reference_is_computed_once_then_reused(tiny_recipe, pairs_f
         raise AssertionError("the cached reference log-probs were computed again")
 
     monkeypatch.setattr(P, "compute_reference", never)
-    train_recipe(recipe)  # a second run over the same model, data and settings
+    train_recipe(recipe, "overwrite=true")  # a second run over the same model, data and settings, in the same folder
     assert run_losses(run) == pytest.approx(first, rel=1e-6)
     # Other data is another key: computed anew, beside the first.
     monkeypatch.undo()
@@ -560,7 +560,7 @@ def test_a_base_retrained_into_the_same_folder_is_a_new_reference(tiny_recipe, t
     from_disk = [f"model.name_or_path={base}", "checkpoint.resume=none"]
     train_recipe(recipe, *from_disk)
     save_base(1)  # retrained: other weights in the same files
-    train_recipe(recipe, *from_disk)
+    train_recipe(recipe, *from_disk, "overwrite=true")
     assert len(list((tmp_path / "run" / "reference").glob("reference-*.json"))) == 2
 
 
