@@ -7,12 +7,18 @@ loss scaler, every process's RNG states; the learning rate is a function of the 
 files through Accelerate. A checkpoint is written under a hidden temporary name and
 renamed only when complete, so a process killed mid-save leaves the previous one untouched; old ones
 are pruned only after the new one is in place. `final/` is written the same way.
+
+Order is the order of writing, not of steps: a run resumed from an older checkpoint (step 100 while an abandoned
+step 200 is there) writes step 110 after step 200. Each checkpoint's state records its `serial` (one more than
+any checkpoint already in the folder) and its `lineage` (the checkpoints the run that wrote it descends from):
+`resume: auto` takes the newest written, and `keep_last` prunes only the run's own lineage, never another branch.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -29,6 +35,7 @@ from llmtune.recipe import Recipe, flatten
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+STEP_NAME = re.compile(r"step-(\d+)")
 # In final/: how the run's prompts reached the model (data.render.prompt_layout), so generate and eval prompt alike.
 PROMPT_LAYOUT_FILE = "prompt_layout.json"
 # Changing these mid-run would make the resumed run a different run; everything else is allowed.
@@ -43,13 +50,43 @@ def checkpoints_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
+def step_of(path: Path) -> int | None:
+    """The step in a checkpoint's name `step-000120`; None for any other name (a user's `step-000120.bak`)."""
+    match = STEP_NAME.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first. Temporaries (leading dot) and folders without state are skipped."""
+    """Complete checkpoints in the order they were written, oldest first. Temporaries (leading dot), folders without
+    state and names that are not `step-N` are skipped."""
     root = checkpoints_root(output_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("step-*") if (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+    found = [p for p in root.iterdir() if step_of(p) is not None and (p / STATE_FILE).is_file()]
+    return sorted(found, key=written)
+
+
+def written(path: Path) -> tuple[int, int]:
+    """Sort key in the order of writing: the checkpoint's serial, then its step (checkpoints saved before serials
+    count as serial 0: they were written in step order)."""
+    try:
+        serial = int(saved_state(path).get("serial", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        serial = 0
+    return serial, step_of(path) or 0
+
+
+def lineage_of(path: Path, output_dir: str | Path) -> list[str]:
+    """The checkpoints of `output_dir` that a run resumed from `path` descends from, `path` last: what its own
+    pruning may delete. A checkpoint saved before lineages were recorded descends from every one of its folder with a
+    smaller step (such runs never branched: they pruned by step)."""
+    step = step_of(path)
+    if path.parent.resolve() != checkpoints_root(output_dir).resolve() or step is None:
+        return []  # another run's checkpoint: nothing in this output_dir descends from it
+    recorded = saved_state(path).get("lineage")
+    if recorded is None:
+        recorded = [p.name for p in complete_checkpoints(output_dir) if (step_of(p) or 0) < step]
+    return [*recorded, path.name]
 
 
 def resolve_resume(output_dir: str | Path, resume: str) -> Path | None:
@@ -121,18 +158,21 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     trainable_only: bool,
 ) -> Path:
-    """Save everything a resume needs (all processes must call this), then prune old checkpoints."""
+    """Save everything a resume needs (all processes must call this), then prune the oldest of the run's own
+    checkpoints (`state["lineage"]`: those it descends from) beyond `keep_last`."""
     root = checkpoints_root(output_dir)
     name = f"step-{step:06d}"
     tmp = _fresh_tmp(accelerator, root, name)
     parallel.save_state(accelerator, tmp, engine, model, optimizer, peft=trainable_only)
     if accelerator.is_main_process:
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+        serial = 1 + max((written(p)[0] for p in complete_checkpoints(output_dir)), default=0)
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "serial": serial}, indent=2))
         (tmp / "recipe.yaml").write_text(recipe_yaml)
     final = root / name
     _publish(accelerator, tmp, final)
     if accelerator.is_main_process:
-        for old in complete_checkpoints(output_dir)[:-keep_last]:
+        ours = {*state["lineage"], name}
+        for old in [p for p in complete_checkpoints(output_dir) if p.name in ours][:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     log.info("saved checkpoint %s", final)
     return final

@@ -218,8 +218,14 @@ class MemoryConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     every_n_steps: int = doc("Save a resumable checkpoint every N steps; 0 disables.", 0)
-    keep_last: int = doc("Checkpoints to keep (oldest pruned after a new one is complete).", 2)
-    resume: str = doc("`auto` (newest complete checkpoint in output_dir), `none`, or a checkpoint path.", "auto")
+    keep_last: int = doc(
+        "Checkpoints of this run's lineage to keep (the oldest pruned after a new one is complete); checkpoints of"
+        " another branch (newer steps left behind by a resume from an older checkpoint) are never pruned.",
+        2,
+    )
+    resume: str = doc(
+        "`auto` (the newest written complete checkpoint in output_dir), `none`, or a checkpoint path.", "auto"
+    )
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ class Run:
     start_step: int = 0
     speed: dict[str, Any] | None = None  # the time model's prediction against the run's first timed steps
     counters: dict[str, int] = field(default_factory=lambda: {"trained_tokens": 0, "skipped_steps": 0})
+    lineage: list[str] = field(default_factory=list)  # the checkpoints this run descends from (llmtune.checkpoint)
     lock: RunLock = field(default_factory=RunLock)  # the output_dir's, on the main process (llmtune.rundir)
 
 

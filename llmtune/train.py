@@ -132,6 +132,7 @@ def resume(run: Run, path: Path) -> None:
     )
     run.start_step = state["step"]
     run.counters.update(state["counters"])
+    run.lineage = checkpoint.lineage_of(path, run.recipe.output_dir)
     log.info("resumed from %s at step %d", path, run.start_step)
 
 
@@ -336,7 +337,8 @@ def evaluate(run: Run) -> float:
 
 
 def save(run: Run, step: int) -> None:
-    state = {"step": step, "counters": run.counters, "plan": run.plan.state()}
+    # lineage: the checkpoints this one descends from, the only ones its pruning may delete (llmtune.checkpoint).
+    state = {"step": step, "counters": run.counters, "plan": run.plan.state(), "lineage": run.lineage}
     checkpoint.save_checkpoint(
         run.accelerator,
         run.recipe.output_dir,
@@ -349,6 +351,7 @@ def save(run: Run, step: int) -> None:
         optimizer=run.optimizer,
         trainable_only=run.recipe.peft.method != "none",
     )
+    run.lineage = [*run.lineage, f"step-{step:06d}"]
 
 
 def save_final(run: Run) -> Path:

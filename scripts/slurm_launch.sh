@@ -34,23 +34,23 @@ EXIT_RESUMABLE=75 # llmtune's EXIT_PREEMPTED (llmtune/preemption.py)
 OUTPUT_DIR=$(python -c 'import sys; from llmtune.recipe import load_recipe
 print(load_recipe(sys.argv[1], sys.argv[2:]).output_dir)' "$RECIPE" "$@" 2>/dev/null) || OUTPUT_DIR=
 
-# The step of the newest complete checkpoint (one with its trainer_state.json, as llmtune.checkpoint counts them).
-newest_checkpoint() {
-  local state step newest=0
+# The complete checkpoints (named step-N, with their trainer_state.json, as llmtune.checkpoint counts them), each with
+# its state file's inode: a checkpoint completed during the launch changes the list (llmtune renames a new one into
+# place, so even a name written again gets a new inode). Step numbers would not tell: a run resumed from an older
+# checkpoint writes lower ones than an abandoned branch beside it, and a user's `step-000100.bak` has none.
+checkpoints_stamp() {
+  local state
   for state in "$OUTPUT_DIR"/checkpoints/step-*/trainer_state.json; do
-    [[ -f $state ]] || continue
-    step=${state%/trainer_state.json}
-    step=$((10#${step##*/step-}))
-    if ((step > newest)); then newest=$step; fi
+    [[ -f $state && ${state%/trainer_state.json} =~ /step-[0-9]+$ ]] || continue
+    stat -c '%i %n' "$state"
   done
-  echo "$newest"
 }
 
 # out_of_memory.json's inode and mtime: llmtune writes it by renaming a new file over it, so both change on each
 # stop. Compared before and after the launch rather than against a clock: nodes' and file servers' clocks differ.
 oom_stamp() { stat -c '%i %Y' "$OUTPUT_DIR/out_of_memory.json" 2>/dev/null || echo none; }
 
-checkpoint_before=$(newest_checkpoint)
+checkpoints_before=$(checkpoints_stamp)
 oom_before=$(oom_stamp)
 preempted=0
 # Pass the warning signal on to every process of the job step; llmtune coordinates the save across ranks.
@@ -76,7 +76,7 @@ if ((status != 0)) && [[ -n $OUTPUT_DIR ]]; then
       "$OUTPUT_DIR/out_of_memory.json" >&2
     exit "$EXIT_RESUMABLE"
   fi
-  if ((preempted)) && (($(newest_checkpoint) > checkpoint_before)); then
+  if ((preempted)) && [[ $(checkpoints_stamp) != "$checkpoints_before" ]]; then
     echo "llmtune saved a checkpoint and stopped before the time limit; resubmit to resume" >&2
     exit "$EXIT_RESUMABLE"
   fi

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -242,3 +243,27 @@ def test_a_fresh_start_refuses_to_overwrite_an_earlier_runs_checkpoints(tiny_rec
     assert main(["train", "--recipe", str(recipe)]) == 0
     assert main(["train", "--recipe", str(recipe)]) == 2
     assert "already holds checkpoints of an earlier run" in capsys.readouterr().err
+
+
+def test_a_resume_from_an_older_checkpoint_becomes_the_line_that_is_kept_and_resumed(tiny_recipe, tmp_path):
+    """Checkpoints 2 and 4, then a resume from 2 that writes 3: keep_last prunes 2 (its own lineage) but not 4 (the
+    abandoned branch, newer by step), and `resume: auto` continues 3, the newest written. A user's backup beside
+    them (`step-000002.bak`) is no checkpoint: it is neither read, resumed nor pruned."""
+    recipe = tiny_recipe(checkpoint__every_n_steps=2, checkpoint__keep_last=2)
+    run = tmp_path / "run"
+    train(load_recipe(recipe))
+    root = checkpoint.checkpoints_root(run)
+    assert [p.name for p in checkpoint.complete_checkpoints(run)] == ["step-000002", "step-000004"]
+    shutil.copytree(root / "step-000002", root / "step-000002.bak")
+
+    older = f"checkpoint.resume={root / 'step-000002'}"
+    train(load_recipe(recipe, [older, "training.max_steps=3", "checkpoint.every_n_steps=1", "checkpoint.keep_last=1"]))
+    assert sorted(p.name for p in root.iterdir()) == ["step-000002.bak", "step-000003", "step-000004"]
+    assert [p.name for p in checkpoint.complete_checkpoints(run)] == ["step-000004", "step-000003"]
+    assert checkpoint.resolve_resume(run, "auto").name == "step-000003"
+
+    more = ["checkpoint.resume=auto", "training.max_steps=5", "checkpoint.every_n_steps=1", "checkpoint.keep_last=1"]
+    resumed = build(load_recipe(recipe, more))
+    assert resumed.start_step == 3
+    fit(resumed)  # its step 4 replaces the abandoned one, then is pruned as its own
+    assert sorted(p.name for p in root.iterdir()) == ["step-000002.bak", "step-000005"]
