@@ -150,6 +150,12 @@ def test_tool_calls_and_tool_turns_pass_through_as_the_template_renders_them(nam
         (call,) = [run for run in runs if "get_weather" in run]
         assert "Paris" in call  # the call's arguments are trained with its name
         assert len(runs) == len(answers) + 1
+        k = next(k for k, turn in enumerate(given) if turn.get("tool_calls"))
+        prompt = tokenizer.apply_chat_template(given[:k], tools=TOOLS, add_generation_prompt=True, return_dict=True)
+        prompt = list(prompt["input_ids"])
+        if ids[: len(prompt)] == prompt:  # where the model starts writing the call, for a template that renders so
+            first = next(i for i, label in enumerate(labels) if label != IGNORE and i >= len(prompt) - 1)
+            assert first == len(prompt), tokenizer.decode(ids[len(prompt) : first + 1])
     else:  # Phi-3's and SmolLM2's templates drop tool calls: nothing of them to train
         assert len(runs) == len(answers)
     assert not any("temperature_c" in run for run in runs)  # the tool's output is never trained

@@ -29,6 +29,7 @@ import json
 import logging
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ TOOL_CALL_ENDS = ("<|call|>", "<|eom_id|>", "<tool_call|>")  # gpt-oss, Llama 3.
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # Qwen3 / DeepSeek, gpt-oss, Gemma-4
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _INLINE_THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)  # used with .match: at the text's start
-_MARKER = re.compile(r"@@llmtune:(\d+):([crto]\d*)@@")
+_MARKER = re.compile(r"@@llmtune:(\d+):([crtou]\d*)@@")
 _folded_templates: set[str] = set()
 Tools = list[dict[str, Any]] | None  # function schemas, as `apply_chat_template(tools=...)` takes them
 
@@ -144,15 +145,19 @@ def render_chat(
     if _GENERATION_TAG.search(_template(tokenizer)):
         return _by_generation_tags(tokenizer, messages, first_trained, tools)
     text = _render(tokenizer, messages, False, tools)
-    spans = _place(text, _render(tokenizer, _with_markers(messages), False, tools), messages)
+    try:
+        spans = _place(text, _render(tokenizer, _with_markers(messages, users=True), False, tools), messages)
+    except ChatError:  # a template whose rendering depends on the user's text (rare): assistant texts alone
+        spans = _place(text, _render(tokenizer, _with_markers(messages, users=False), False, tools), messages)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
     trained = [False] * len(ids)
-    header, special, floor = _generation_prompt(tokenizer), _special_ids(tokenizer), 0
-    for k in sorted({k for k, part in spans if part != "o"}):
+    header, special = _generation_prompt(tokenizer), _special_ids(tokenizer)
+    closers = tokenizer.convert_ids_to_tokens(sorted(special))
+    for k in sorted({k for k, part in spans if part[0] in "crt"}):
         parts = {part: span for (turn, part), span in spans.items() if turn == k}
-        start, end = _turn_range(text, parts, header, floor, train_reasoning)
-        floor = max(floor, *(e for _, e in parts.values()))
+        floor = max((e for (turn, _), (_, e) in spans.items() if turn < k), default=0)  # the previous turn's text
+        start, end = _turn_range(text, parts, Opening(header, closers, floor), train_reasoning)
         if k < first_trained or start >= end:
             continue
         _mark(trained, offsets, start, end)
@@ -177,13 +182,15 @@ def _by_generation_tags(
     return ids, [m and i >= first for i, m in enumerate(mask)]
 
 
-def _with_markers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The turns with each assistant text (content, reasoning, a tool call's function name) and each tool output
-    replaced by a marker."""
+def _with_markers(messages: list[dict[str, Any]], users: bool) -> list[dict[str, Any]]:
+    """The turns with each assistant text (content, reasoning, a tool call's function name), each tool output and
+    (`users`) each user text replaced by a marker: the others bound where an assistant turn starts and ends."""
     marked = copy.deepcopy(messages)
     for k, turn in enumerate(marked):
         if turn["role"] == "tool" and isinstance(turn.get("content"), str) and turn["content"]:
-            turn["content"] = f"@@llmtune:{k}:o@@"  # a tool's output: where the call before it ended at the latest
+            turn["content"] = f"@@llmtune:{k}:o@@"
+        if users and turn["role"] == "user" and isinstance(turn.get("content"), str) and turn["content"]:
+            turn["content"] = f"@@llmtune:{k}:u@@"
         if turn["role"] != "assistant":
             continue
         if isinstance(turn.get("content"), str) and turn["content"]:
@@ -200,7 +207,7 @@ def _with_markers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _original(messages: list[dict[str, Any]], k: int, part: str) -> str:
     turn = messages[k]
-    if part in ("c", "o"):
+    if part in ("c", "o", "u"):
         return turn["content"]
     if part == "r":
         return next(turn[key] for key in REASONING_KEYS if isinstance(turn.get(key), str) and turn[key])
@@ -253,11 +260,11 @@ def _unplaced(spans: dict[tuple[int, str], tuple[int, int]], messages: list[dict
 
 
 def _turn_range(
-    text: str, parts: dict[str, tuple[int, int]], header: str, floor: int, train_reasoning: bool
+    text: str, parts: dict[str, tuple[int, int]], opening: Opening, train_reasoning: bool
 ) -> tuple[int, int]:
     """The characters an assistant turn trains, one stretch: its text (past a <think> block the template wrote inside
     it, when reasoning is not trained), its reasoning from the block's opening (when trained), its tool calls from
-    the assistant header."""
+    where the model starts writing them."""
     starts, ends = [], []
     if "c" in parts:
         start, end = parts["c"]
@@ -266,21 +273,41 @@ def _turn_range(
         ends.append(end)
     for part, (start, end) in parts.items():
         if part.startswith("t") or (part == "r" and train_reasoning):
-            starts.append(_opening(text, start, header, floor))
+            starts.append(opening.before(text, start))
             ends.append(end)
     return (min(starts), max(ends)) if starts else (0, 0)
 
 
-def _opening(text: str, start: int, header: str, floor: int) -> int:
-    """Where the model starts writing a reasoning block or a tool call: right after this turn's assistant header (the
-    template's generation prompt, or its part before a `<think>` it opens for a reply, as DeepSeek-R1's), the last one
-    after the previous turn; else at a `<think>` just before; else at `start` (a template without a header)."""
-    for form in dict.fromkeys((header, header.split("<think>")[0])):
-        found = text.rfind(form, floor, start) if form else -1
-        if found >= 0:
-            return found + len(form)
-    before = text[:start].rstrip()
-    return len(before) - len("<think>") if before.endswith("<think>") else start
+@dataclass(frozen=True)
+class Opening:
+    """Where the model starts writing a reasoning block or a tool call, after the previous turn's text (`floor`)."""
+
+    header: str  # the template's generation prompt: the assistant header a reply follows
+    closers: list[str]  # the special tokens' texts
+    floor: int
+
+    def before(self, text: str, start: int) -> int:
+        """Right after this turn's assistant header: the generation prompt, or its longest head (cut at a line break
+        or after a special token) found there, as a reply's header without the reasoning opening the generation
+        prompt adds (DeepSeek-R1's `<think>`, Gemma-4's thought channel); without a header, right after the special
+        token that closes the previous turn (Mistral's `[/INST]`); else at a `<think>` just before; else `start`."""
+        for form in self.heads():
+            found = text.rfind(form, self.floor, start)
+            if found >= 0:
+                return found + len(form)
+        if not self.header:
+            closing = [(at, len(c)) for c in self.closers if (at := text.find(c, self.floor, start)) >= 0]
+            if closing:
+                at, length = min(closing)
+                return at + length
+        before = text[:start].rstrip()
+        return len(before) - len("<think>") if before.endswith("<think>") else start
+
+    def heads(self) -> list[str]:
+        header = self.header
+        cuts = {len(header)} | {i + 1 for i, char in enumerate(header) if char == "\n"}
+        cuts |= {header.find(c) + len(c) for c in self.closers if c and c in header}
+        return [header[:cut] for cut in sorted(cuts, reverse=True) if cut > 0]
 
 
 def _mark(trained: list[bool], offsets: Sequence[tuple[int, int]], start: int, end: int) -> None:
