@@ -12,12 +12,19 @@ Order is the order of writing, not of steps: a run resumed from an older checkpo
 step 200 is there) writes step 110 after step 200. Each checkpoint's state records its `serial` (one more than
 any checkpoint already in the folder) and its `lineage` (the checkpoints the run that wrote it descends from):
 `resume: auto` takes the newest written, and `keep_last` prunes only the run's own lineage, never another branch.
+
+Whole means every file: once all processes have written theirs, the main process lists each file of the folder with
+its size in `manifest.json`, written last (atomically), before the folder is renamed into place. A checkpoint is
+sound only when its manifest is there and every file it names has that size: a partly copied folder, or one missing
+a process's `random_states_1.pkl`, is not resumed; `resume: auto` falls back to the newest sound one, saying which it
+skipped and why.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -35,6 +42,7 @@ from llmtune.recipe import Recipe, flatten
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"  # {"files": {relative path: bytes}} of every other file; written last
 STEP_NAME = re.compile(r"step-(\d+)")
 # In final/: how the run's prompts reached the model (data.render.prompt_layout), so generate and eval prompt alike.
 PROMPT_LAYOUT_FILE = "prompt_layout.json"
@@ -56,14 +64,47 @@ def step_of(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints in the order they were written, oldest first. Temporaries (leading dot), folders without
-    state and names that are not `step-N` are skipped."""
+def checkpoint_folders(output_dir: str | Path) -> list[Path]:
+    """Folders named `step-N`, sound or not, in the order they were written, oldest first. Temporaries (leading dot)
+    and other names are skipped."""
     root = checkpoints_root(output_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if step_of(p) is not None and (p / STATE_FILE).is_file()]
-    return sorted(found, key=written)
+    return sorted((p for p in root.iterdir() if step_of(p) is not None and p.is_dir()), key=written)
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Sound checkpoints (`unsound` finds nothing wrong) in the order they were written, oldest first."""
+    return [p for p in checkpoint_folders(output_dir) if unsound(p) is None]
+
+
+def write_manifest(folder: Path) -> None:
+    """List every file of `folder` with its size in MANIFEST_FILE, atomically: its presence says the rest is whole."""
+    files = {
+        str(p.relative_to(folder)): p.stat().st_size
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST_FILE
+    }
+    tmp = folder / f".{MANIFEST_FILE}.tmp"
+    tmp.write_text(json.dumps({"files": files}, indent=1) + "\n")
+    os.replace(tmp, folder / MANIFEST_FILE)
+
+
+def unsound(path: Path) -> str | None:
+    """Why `path` is not a whole checkpoint (in words), or None when its manifest and every file it names agree."""
+    try:
+        files = json.loads((path / MANIFEST_FILE).read_text())["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST_FILE} (its save did not finish, or it was copied without it)"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{MANIFEST_FILE} cannot be read ({err})"
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {size}"
+    return None
 
 
 def written(path: Path) -> tuple[int, int]:
@@ -90,14 +131,37 @@ def lineage_of(path: Path, output_dir: str | Path) -> list[str]:
 
 
 def resolve_resume(output_dir: str | Path, resume: str) -> Path | None:
+    """The checkpoint `resume` names: `auto`, the newest written sound one (each newer one skipped is logged with
+    why); a path, that one if sound."""
     if resume == "none":
         return None
     if resume == "auto":
-        found = complete_checkpoints(output_dir)
-        return found[-1] if found else None
+        for path in reversed(checkpoint_folders(output_dir)):
+            why = unsound(path)
+            if why is None:
+                return path
+            log.warning("resume: skipping %s: %s", path, why)
+        return None
     path = Path(resume)
-    if not (path / STATE_FILE).is_file():
-        raise ResumeError(f"checkpoint.resume={resume}: not a complete llmtune checkpoint (no {STATE_FILE})")
+    why = unsound(path) if path.is_dir() else "no such folder"
+    if why is not None:
+        raise ResumeError(f"checkpoint.resume={resume}: not a whole llmtune checkpoint: {why}")
+    return path
+
+
+def agreed_resume_point(accelerator: Accelerator, r: Recipe) -> Path | None:
+    """`resume_point` decided by the main process, its answer (or refusal) shared: every process must load the same
+    checkpoint, and only one should log what it skipped."""
+
+    def decide() -> tuple[Path | None, str | None]:
+        try:
+            return resume_point(r), None
+        except ResumeError as err:
+            return None, str(err)
+
+    path, refused = parallel.decided_by_main(accelerator, decide)
+    if refused is not None:
+        raise ResumeError(refused)
     return path
 
 
@@ -108,7 +172,7 @@ def resume_point(r: Recipe) -> Path | None:
     """
     path = resolve_resume(r.output_dir, r.checkpoint.resume)
     if path is None:
-        if r.checkpoint.resume == "none" and not r.overwrite and complete_checkpoints(r.output_dir):
+        if r.checkpoint.resume == "none" and not r.overwrite and checkpoint_folders(r.output_dir):
             # Starting over here would prune the earlier run's checkpoints as if they were ours.
             raise ResumeError(
                 f"{r.output_dir} already holds checkpoints of an earlier run and checkpoint.resume=none: set"
@@ -165,9 +229,12 @@ def save_checkpoint(
     tmp = _fresh_tmp(accelerator, root, name)
     parallel.save_state(accelerator, tmp, engine, model, optimizer, peft=trainable_only)
     if accelerator.is_main_process:
-        serial = 1 + max((written(p)[0] for p in complete_checkpoints(output_dir)), default=0)
+        serial = 1 + max((written(p)[0] for p in checkpoint_folders(output_dir)), default=0)
         (tmp / STATE_FILE).write_text(json.dumps({**state, "serial": serial}, indent=2))
         (tmp / "recipe.yaml").write_text(recipe_yaml)
+    accelerator.wait_for_everyone()  # every process's files (RNG states, shards) are written: list them
+    if accelerator.is_main_process:
+        write_manifest(tmp)
     final = root / name
     _publish(accelerator, tmp, final)
     if accelerator.is_main_process:

@@ -59,7 +59,8 @@ def build(recipe: Recipe) -> Run:
     engine = parallel.launched_engine()
     accelerator, precision, precision_why = make_accelerator(recipe, engine, objective)
     engine = parallel.engine_in_use(engine)
-    resume_from = checkpoint.resume_point(recipe)  # before anything heavy loads: a refusal costs nothing
+    # Before anything heavy loads: a refusal costs nothing.
+    resume_from = checkpoint.agreed_resume_point(accelerator, recipe)
     lock = rundir.claim(accelerator, recipe.output_dir, resuming=resume_from is not None, overwrite=recipe.overwrite)
     try:
         run = assemble(recipe, objective, engine, accelerator, precision, precision_why, resume_from)

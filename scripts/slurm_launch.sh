@@ -34,15 +34,15 @@ EXIT_RESUMABLE=75 # llmtune's EXIT_PREEMPTED (llmtune/preemption.py)
 OUTPUT_DIR=$(python -c 'import sys; from llmtune.recipe import load_recipe
 print(load_recipe(sys.argv[1], sys.argv[2:]).output_dir)' "$RECIPE" "$@" 2>/dev/null) || OUTPUT_DIR=
 
-# The complete checkpoints (named step-N, with their trainer_state.json, as llmtune.checkpoint counts them), each with
-# its state file's inode: a checkpoint completed during the launch changes the list (llmtune renames a new one into
-# place, so even a name written again gets a new inode). Step numbers would not tell: a run resumed from an older
-# checkpoint writes lower ones than an abandoned branch beside it, and a user's `step-000100.bak` has none.
+# The checkpoints (named step-N, with the manifest.json llmtune writes last), each with its manifest's inode: a
+# checkpoint completed during the launch changes the list (llmtune renames a new one into place, so even a name
+# written again gets a new inode). Step numbers would not tell: a run resumed from an older checkpoint writes lower
+# ones than an abandoned branch beside it, and a user's `step-000100.bak` has none.
 checkpoints_stamp() {
-  local state
-  for state in "$OUTPUT_DIR"/checkpoints/step-*/trainer_state.json; do
-    [[ -f $state && ${state%/trainer_state.json} =~ /step-[0-9]+$ ]] || continue
-    stat -c '%i %n' "$state"
+  local manifest
+  for manifest in "$OUTPUT_DIR"/checkpoints/step-*/manifest.json; do
+    [[ -f $manifest && ${manifest%/manifest.json} =~ /step-[0-9]+$ ]] || continue
+    stat -c '%i %n' "$manifest"
   done
 }
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from llmtune import checkpoint
+from llmtune.rundir import LOCK_FILE
 from llmtune.train import EXIT_PREEMPTED
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,6 +125,11 @@ def test_sigterm_to_one_process_checkpoints_both_and_exits(tiny_recipe, tmp_path
     assert f"exitcode  : {EXIT_PREEMPTED}" in err, err[-3000:]
     (saved,) = checkpoint.complete_checkpoints(run)
     assert {p.name for p in saved.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+    # The manifest (written by the main process) lists the other process's files too: losing one makes it unsound.
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(
+        json.loads((saved / checkpoint.MANIFEST_FILE).read_text())["files"]
+    )
+    assert not (run / LOCK_FILE).exists()  # the main process's lock, released on the way out
     assert json.loads((saved / checkpoint.STATE_FILE).read_text())["step"] == max(losses(run))
 
 

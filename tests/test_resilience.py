@@ -267,3 +267,26 @@ def test_a_resume_from_an_older_checkpoint_becomes_the_line_that_is_kept_and_res
     assert resumed.start_step == 3
     fit(resumed)  # its step 4 replaces the abandoned one, then is pruned as its own
     assert sorted(p.name for p in root.iterdir()) == ["step-000002.bak", "step-000005"]
+
+
+def test_resume_auto_skips_checkpoints_that_are_not_whole_and_says_why(tiny_recipe, tmp_path, caplog):
+    """A checkpoint is whole when every file its manifest lists is there with its size: one that lost a process's
+    RNG states, or was partly copied (a truncated weights file), is skipped for the newest sound one."""
+    recipe = tiny_recipe(training__max_steps=6, checkpoint__every_n_steps=2, checkpoint__keep_last=3)
+    run = tmp_path / "run"
+    train(load_recipe(recipe))
+    root = checkpoint.checkpoints_root(run)
+    (root / "step-000006" / "random_states_0.pkl").unlink()
+    weights = root / "step-000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+
+    with pytest.raises(checkpoint.ResumeError, match="step-000006: not a whole .*random_states_0.pkl is missing"):
+        build(load_recipe(recipe, [f"checkpoint.resume={root / 'step-000006'}"]))
+    caplog.set_level("WARNING", logger="llmtune")
+    resumed = build(load_recipe(recipe, ["checkpoint.resume=auto", "training.max_steps=3"]))
+    assert resumed.start_step == 2
+    skipped = [r.getMessage() for r in caplog.records if "resume: skipping" in r.getMessage()]
+    assert len(skipped) == 2
+    assert "step-000006" in skipped[0] and "random_states_0.pkl is missing" in skipped[0]
+    assert "step-000004" in skipped[1] and "model.safetensors has 1000 bytes" in skipped[1]
+    fit(resumed)
