@@ -150,7 +150,8 @@ def render_chat(
     except ChatError:  # a template whose rendering depends on the user's text (rare): assistant texts alone
         spans = _place(text, _render(tokenizer, _with_markers(messages, users=False), False, tools), messages)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
+    ids = list(encoded["input_ids"])
+    offsets = _cores(text, ids, encoded["offset_mapping"], tokenizer)
     trained = [False] * len(ids)
     header, special = _generation_prompt(tokenizer), _special_ids(tokenizer)
     closers = tokenizer.convert_ids_to_tokens(sorted(special))
@@ -308,6 +309,17 @@ class Opening:
         cuts = {len(header)} | {i + 1 for i, char in enumerate(header) if char == "\n"}
         cuts |= {header.find(c) + len(c) for c in self.closers if c and c in header}
         return [header[:cut] for cut in sorted(cuts, reverse=True) if cut > 0]
+
+
+def _cores(text: str, ids: list[int], offsets: Sequence[Sequence[int]], tokenizer: Any) -> list[tuple[int, int]]:
+    """Each token's characters; for an added token, its own text only: one that strips whitespace around it (Phi-3's
+    `<|assistant|>` takes the newlines after it) must not reach into the answer beside it."""
+    added = {i: getattr(t, "content", None) for i, t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items()}
+    cores = []
+    for token, (s, e) in zip(ids, offsets, strict=True):
+        at = text.find(added[token], s, e) if added.get(token) else -1
+        cores.append((at, at + len(added[token])) if at >= 0 else (s, e))
+    return cores
 
 
 def _mark(trained: list[bool], offsets: Sequence[tuple[int, int]], start: int, end: int) -> None:
