@@ -23,6 +23,7 @@ ship a QLoRA model; QLoRA checkpoints are refused (merge final/).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import shutil
@@ -46,6 +47,8 @@ WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+# In a merged folder: written by llmtune merge, so a later merge to the same --out may replace it.
+MERGE_MARKER = "llmtune_merge.json"
 # torch is imported lazily: `llmtune --help` and the other subcommands should not pay for it here.
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -54,19 +57,23 @@ class MergeError(UserError, ValueError):
     """The folder given cannot be merged; the message says why and what to do instead."""
 
 
-def merge_run(run_dir: str | Path, out: str | Path | None = None, *, dtype: str = "auto") -> Path:
+def merge_run(
+    run_dir: str | Path, out: str | Path | None = None, *, dtype: str = "auto", overwrite: bool = False
+) -> Path:
     """Merge the adapter of `run_dir` into its base model and write the result to `out`.
 
     `run_dir`: a run's output_dir (uses its `final/`), a `final/` folder, or a checkpoint folder.
     `out`: defaults to `<output_dir>/merged` (`<output_dir>/merged-step-000120` for a checkpoint).
     `dtype`: `auto` keeps the base model's stored dtype; `fp32` / `bf16` / `fp16` cast the merged weights.
-    Returns `out`. Raises MergeError for anything that is not a mergeable run.
+    `overwrite`: replace an existing `out` that an earlier `llmtune merge` did not write (never the base or the run).
+    Returns `out`. Raises MergeError for anything that is not a mergeable run, or an `out` it may not replace.
     """
     if dtype != "auto" and dtype not in DTYPES:
         raise MergeError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
     kind, folder = locate(Path(run_dir))
     default_out = folder.parent.parent / f"merged-{folder.name}" if kind == "checkpoint" else folder.parent / "merged"
     out = Path(out) if out is not None else default_out
+    check_out(out, read_from(kind, folder), overwrite=overwrite)  # before anything loads: a refusal costs nothing
     log.info("llmtune merge %s -> %s", folder, out.resolve())
     if kind == "checkpoint":
         model, tokenizer = _merge_checkpoint(folder, dtype)
@@ -281,17 +288,48 @@ def _config_dtype(config: Any) -> torch.dtype:
 # ---------------------------------------------------------------- output
 
 
+def read_from(kind: str, folder: Path) -> list[Path]:
+    """The local folders a merge of `folder` reads: the adapter or checkpoint, its run, and its base where that is a
+    folder (final/base/, the adapter config's base, the recipe's model)."""
+    import yaml
+
+    run = folder.parent.parent if kind == "checkpoint" else folder.parent
+    paths = [folder, run, folder / BASE_DIR]
+    with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
+        paths.append(Path(json.loads((folder / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]))
+    with contextlib.suppress(OSError, yaml.YAMLError, AttributeError, TypeError):
+        recipe = folder / "recipe.yaml" if kind == "checkpoint" else run / "recipe.yaml"
+        paths.append(Path(yaml.safe_load(recipe.read_text())["model"]["name_or_path"]))
+    return [p for p in paths if p.is_dir()]
+
+
+def check_out(out: Path, sources: list[Path], *, overwrite: bool) -> None:
+    """Refuse an `out` that is a folder the merge reads, or holds one (replaced, the base would lose the weights the
+    adapter was trained on; the run, its final/); or any existing folder an earlier `llmtune merge` did not write
+    (MERGE_MARKER), unless `overwrite`."""
+    target = out.resolve()
+    for source in sources:
+        if target == source.resolve() or target in source.resolve().parents:
+            raise MergeError(f"--out {out}: would replace {source}, which this merge reads; choose another --out")
+    if overwrite or not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not (out / MERGE_MARKER).is_file():
+        raise MergeError(
+            f"--out {out}: exists and was not written by llmtune merge; choose another --out, or pass --overwrite to"
+            " replace it"
+        )
+
+
 def _write_atomically(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
     """Write to a hidden sibling, then rename; an older merge at `out` is replaced only once the new one is whole."""
     from llmtune.files import replace_dir
 
-    if out.exists() and not (out / "config.json").is_file() and any(out.iterdir()):
-        raise MergeError(f"{out}: exists and is not a model folder; refusing to replace it (choose another --out)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # left over from a merge that was killed
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    (tmp / MERGE_MARKER).write_text(json.dumps({"written_by": "llmtune merge"}) + "\n")
     replace_dir(tmp, out)
 
 
@@ -304,13 +342,18 @@ def add_merge_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--run", required=True, type=Path, help="a run's output_dir (uses final/), final/, or a checkpoint")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: OUTPUT_DIR/merged)")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto keeps the base's stored dtype")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out that llmtune merge did not write (never the base or the run it reads)",
+    )
     p.set_defaults(func=cmd_merge)
     return p
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
     try:
-        out = merge_run(args.run, args.out, dtype=args.dtype)
+        out = merge_run(args.run, args.out, dtype=args.dtype, overwrite=args.overwrite)
     except MergeError as err:
         sys.stderr.write(f"llmtune: error: {err}\n")
         return 2

@@ -497,3 +497,33 @@ def test_llama3_8b_lora_recipe_validates_and_counts():
     assert sum(p.numel() for p in model.parameters()) == 8_030_261_248  # Llama-3.1-8B's published count
     # rank 16, all-linear: 32 layers x 16 x (q 8192 + k 5120 + v 5120 + o 8192 + 3 x 18432) = 41.9M
     assert expected_adapter_params(config, recipe.peft.rank, dora=False) == 41_943_040
+
+
+def test_merge_never_replaces_its_base_nor_a_folder_it_did_not_write(trained, tmp_path, base_dir, capsys):
+    """`--out` used to replace any folder with a config.json, the base the adapter was trained on included."""
+
+    def files(folder: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+    run, _ = trained("lora", True, "fp32")
+    run_dir = Path(run.recipe.output_dir)
+    base_before = files(base_dir)
+    parser = argparse.ArgumentParser()
+    add_merge_parser(parser.add_subparsers(dest="command", required=True))
+    for out in (base_dir, run_dir, run_dir / "final"):  # what the merge reads: refused, even with --overwrite
+        for flags in ([], ["--overwrite"]):
+            args = parser.parse_args(["merge", "--run", str(run_dir), "--out", str(out), *flags])
+            assert args.func(args) == 2
+            assert "which this merge reads" in capsys.readouterr().err
+    assert files(base_dir) == base_before
+
+    theirs = tmp_path / "someone-elses-model"
+    shutil.copytree(base_dir, theirs)
+    argv = ["merge", "--run", str(run_dir), "--out", str(theirs)]
+    args = parser.parse_args(argv)
+    assert args.func(args) == 2
+    assert "not written by llmtune merge" in capsys.readouterr().err and files(theirs) == base_before
+    args = parser.parse_args([*argv, "--overwrite"])
+    assert args.func(args) == 0 and (theirs / "llmtune_merge.json").is_file()
+    args = parser.parse_args(argv)  # now a merge's own folder: a later merge replaces it unasked
+    assert args.func(args) == 0
