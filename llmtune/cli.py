@@ -313,7 +313,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from llmtune.generate import load_run, reply
 
     sampling = _sampling(args)  # flags first: a bad one costs no model load
-    run = load_run(args.run)
+    run = load_run(args.run, trust_remote_code=args.trust_remote_code)
     print(reply(run, [{"role": "user", "content": args.prompt}], sampling).strip())
     return 0
 
@@ -324,7 +324,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from llmtune.generate import describe, load_run, reply
 
     sampling = _sampling(args)
-    run = load_run(args.run)
+    run = load_run(args.run, trust_remote_code=args.trust_remote_code)
     print(f"{describe(run)}. Empty line or Ctrl-D to quit; /reset forgets the conversation.", file=sys.stderr)
     streamer = TextStreamer(run.tokenizer, skip_prompt=True, skip_special_tokens=True)
     messages: list[dict[str, str]] = []
@@ -350,6 +350,11 @@ def _sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature > 0)")
     p.add_argument("--seed", type=int, help="seed for sampling (reproducible samples)")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let a model that ships its own Python code run it (never taken from the run's recipe.yaml)",
+    )
 
 
 def _estimate_args(p: argparse.ArgumentParser) -> None:

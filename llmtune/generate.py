@@ -62,10 +62,11 @@ class LoadedRun:
     alpaca: bool = False  # plain prompts inside the Alpaca template (the run trained on Alpaca rows)
 
 
-def load_run(run: str | Path, *, chat: bool | None = None) -> LoadedRun:
+def load_run(run: str | Path, *, chat: bool | None = None, trust_remote_code: bool = False) -> LoadedRun:
     """The model and tokenizer of a run's output_dir (its `final/`) or of a `final/` folder itself.
 
     `chat`: force the prompt format; None takes the one the run trained on (see the module's docstring).
+    `trust_remote_code`: the caller's (--trust-remote-code), never the run folder's recipe.yaml.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -74,17 +75,22 @@ def load_run(run: str | Path, *, chat: bool | None = None) -> LoadedRun:
         from llmtune.merge import MergeError, load_adapter_model  # torch-heavy: only for adapters
 
         try:
-            model, tokenizer = load_adapter_model(folder)
+            model, tokenizer = load_adapter_model(folder, trust_remote_code=trust_remote_code)
         except MergeError as err:
             raise GenerateError(str(err)) from None
     elif not any((folder / w).is_file() for w in WEIGHT_FILES):
         raise GenerateError(f"{folder}: a config without weights ({WEIGHT_FILES[0]}); is it a trained run's final/?")
     else:
+        from llmtune.merge import remote_code_refusal
+
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto")
-            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto", trust_remote_code=trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as err:
-            raise GenerateError(f"{folder}: cannot load the model: {str(err).strip().splitlines()[0]}") from None
+            first_line = str(err).strip().splitlines()[0]
+            raise GenerateError(
+                remote_code_refusal(folder, err) or f"{folder}: cannot load the model: {first_line}"
+            ) from None
     model = on_accelerator(model)
     model.eval()
     # Training saves use_cache=False (a cache is useless there); generation wants it back.

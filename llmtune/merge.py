@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import shutil
@@ -58,7 +59,12 @@ class MergeError(UserError, ValueError):
 
 
 def merge_run(
-    run_dir: str | Path, out: str | Path | None = None, *, dtype: str = "auto", overwrite: bool = False
+    run_dir: str | Path,
+    out: str | Path | None = None,
+    *,
+    dtype: str = "auto",
+    overwrite: bool = False,
+    trust_remote_code: bool = False,
 ) -> Path:
     """Merge the adapter of `run_dir` into its base model and write the result to `out`.
 
@@ -66,6 +72,8 @@ def merge_run(
     `out`: defaults to `<output_dir>/merged` (`<output_dir>/merged-step-000120` for a checkpoint).
     `dtype`: `auto` keeps the base model's stored dtype; `fp32` / `bf16` / `fp16` cast the merged weights.
     `overwrite`: replace an existing `out` that an earlier `llmtune merge` did not write (never the base or the run).
+    `trust_remote_code`: let a base whose config names its own modelling code run it (the caller's word only: never
+    the run folder's recipe.yaml, which whoever wrote the folder controls).
     Returns `out`. Raises MergeError for anything that is not a mergeable run, or an `out` it may not replace.
     """
     if dtype != "auto" and dtype not in DTYPES:
@@ -76,9 +84,9 @@ def merge_run(
     check_out(out, read_from(kind, folder), overwrite=overwrite)  # before anything loads: a refusal costs nothing
     log.info("llmtune merge %s -> %s", folder, out.resolve())
     if kind == "checkpoint":
-        model, tokenizer = _merge_checkpoint(folder, dtype)
+        model, tokenizer = _merge_checkpoint(folder, dtype, trust_remote_code)
     else:
-        model, tokenizer = _merge_adapter(folder, dtype)
+        model, tokenizer = _merge_adapter(folder, dtype, trust_remote_code)
     # The adapter model ran with use_cache=False for training; the merged model is for inference.
     model.config.use_cache = True
     _write_atomically(model, tokenizer, out)
@@ -120,8 +128,8 @@ def _full_finetune_message(folder: Path) -> str:
 # ---------------------------------------------------------------- final/ (adapter only)
 
 
-def _merge_adapter(adapter_dir: Path, dtype: str):
-    model, tokenizer = load_adapter_model(adapter_dir, dtype)
+def _merge_adapter(adapter_dir: Path, dtype: str, trust_remote_code: bool):
+    model, tokenizer = load_adapter_model(adapter_dir, dtype, trust_remote_code=trust_remote_code)
     return merged(model), tokenizer
 
 
@@ -141,9 +149,9 @@ def merged(model: torch.nn.Module) -> torch.nn.Module:
     return model.merge_and_unload(safe_merge=True)
 
 
-def load_adapter_model(adapter_dir: Path, dtype: str = "auto"):
+def load_adapter_model(adapter_dir: Path, dtype: str = "auto", *, trust_remote_code: bool = False):
     """(peft model, tokenizer) of an adapter folder (`final/`): its base loaded from where the weights really
-    are (`base_source`), the adapter on top, unmerged. `dtype` as for `merge_run`."""
+    are (`base_source`), the adapter on top, unmerged. `dtype` and `trust_remote_code` as for `merge_run`."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -157,19 +165,43 @@ def load_adapter_model(adapter_dir: Path, dtype: str = "auto"):
     from_disk = base == adapter_dir / BASE_DIR
     kwargs: dict[str, Any] = {
         "dtype": "auto" if dtype == "auto" else getattr(torch, DTYPES[dtype]),
-        "trust_remote_code": bool(model_cfg.get("trust_remote_code", False)),
+        # The caller's flag, never the folder's recipe.yaml: a shared run folder must not opt itself into running
+        # the .py files it ships.
+        "trust_remote_code": trust_remote_code,
     }
     if not from_disk and model_cfg.get("revision"):
         kwargs["revision"] = model_cfg["revision"]
     try:
         model = AutoModelForCausalLM.from_pretrained(str(base), **kwargs)
     except (OSError, ValueError) as err:
+        refuse_remote_code(base, err)
         raise MergeError(f"cannot load the base model {base} named by {adapter_dir / ADAPTER_CONFIG}: {err}") from err
     with peft_quietly():
         model = PeftModel.from_pretrained(model, str(adapter_dir))
     tok_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base
-    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=kwargs["trust_remote_code"])
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        refuse_remote_code(tok_dir, err)
+        raise
     return model, tokenizer
+
+
+def remote_code_refusal(source: Path | str, err: BaseException) -> str | None:
+    """The refusal naming the flag when transformers refused `source` for code it would have to run, else None."""
+    if "trust_remote_code" not in str(err) and "contains custom code" not in str(err):
+        return None
+    return (
+        f"{source}: loading it runs Python code that ships with the model (its config's auto_map); pass"
+        " --trust-remote-code if you trust that code"
+    )
+
+
+def refuse_remote_code(source: Path | str, err: BaseException) -> None:
+    """Raise `remote_code_refusal` as a MergeError, if it applies."""
+    refusal = remote_code_refusal(source, err)
+    if refusal is not None:
+        raise MergeError(refusal) from None
 
 
 def _recipe_near(adapter_dir: Path) -> dict[str, Any] | None:
@@ -226,7 +258,7 @@ def save_base_weights(
 # ---------------------------------------------------------------- checkpoints (all weights)
 
 
-def _merge_checkpoint(ckpt: Path, dtype: str):
+def _merge_checkpoint(ckpt: Path, dtype: str, trust_remote_code: bool):
     import torch
     import yaml
     from safetensors.torch import load_file
@@ -236,6 +268,8 @@ def _merge_checkpoint(ckpt: Path, dtype: str):
     from llmtune.recipe import recipe_from_dict
 
     recipe = recipe_from_dict(yaml.safe_load((ckpt / "recipe.yaml").read_text()), str(ckpt / "recipe.yaml"))
+    # The caller's flag replaces the checkpoint's: its recipe.yaml is the folder's word, not the user's.
+    recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, trust_remote_code=trust_remote_code))
     if recipe.peft.method == "none":
         raise MergeError(_full_finetune_message(ckpt))
     if recipe.peft.method == "qlora":
@@ -251,14 +285,18 @@ def _merge_checkpoint(ckpt: Path, dtype: str):
             f"{ckpt}: checkpoints hold only the adapters, and this run's base was drawn at random"
             " (model.random_init), so it exists on no disk; merge the run's final/ (it keeps final/base/)"
         )
-    config = load_config(recipe.model)
-    # fp32 for the merge itself (W + B @ A * scale without bf16 rounding in between); cast at the end.
-    model = AutoModelForCausalLM.from_pretrained(
-        recipe.model.name_or_path,
-        revision=recipe.model.revision,
-        dtype=torch.float32,
-        trust_remote_code=recipe.model.trust_remote_code,
-    )
+    try:
+        config = load_config(recipe.model)
+        # fp32 for the merge itself (W + B @ A * scale without bf16 rounding in between); cast at the end.
+        model = AutoModelForCausalLM.from_pretrained(
+            recipe.model.name_or_path,
+            revision=recipe.model.revision,
+            dtype=torch.float32,
+            trust_remote_code=recipe.model.trust_remote_code,
+        )
+    except (UserError, OSError, ValueError) as err:
+        refuse_remote_code(recipe.model.name_or_path, err)
+        raise
     model = apply_peft(model, recipe.peft, gradient_checkpointing=False)
     # Keys are those of the wrapped CausalLMWithLoss ("model." + peft's names).
     # Under PEFT a checkpoint holds only the trainable tensors; the frozen base came from name_or_path.
@@ -343,6 +381,11 @@ def add_merge_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--out", type=Path, default=None, help="output folder (default: OUTPUT_DIR/merged)")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto keeps the base's stored dtype")
     p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let a base model that ships its own Python code run it (never taken from the run's recipe.yaml)",
+    )
+    p.add_argument(
         "--overwrite",
         action="store_true",
         help="replace an existing --out that llmtune merge did not write (never the base or the run it reads)",
@@ -353,7 +396,9 @@ def add_merge_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
 
 def cmd_merge(args: argparse.Namespace) -> int:
     try:
-        out = merge_run(args.run, args.out, dtype=args.dtype, overwrite=args.overwrite)
+        out = merge_run(
+            args.run, args.out, dtype=args.dtype, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code
+        )
     except MergeError as err:
         sys.stderr.write(f"llmtune: error: {err}\n")
         return 2

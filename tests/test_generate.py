@@ -351,3 +351,68 @@ def test_eval_prompts_an_instruct_model_with_its_chat_template_and_stops_at_each
     rows = [{"prompt": PROMPT, "completion": WORD}, {"prompt": "hello", "completion": f" {WORD} "}]
     got = eval_accuracy(monkeypatch, capsys, folder, rows, tmp_path / "eval.jsonl")
     assert got == "exact-match accuracy on 2 eval rows: 100.0% +/- 0.0%"
+
+
+# A base model that ships its own modelling code (config.json's auto_map): loading it with trust_remote_code runs this
+# file, which leaves a mark where the test says.
+CUSTOM_CODE = """
+import os, pathlib
+pathlib.Path(os.environ["LLMTUNE_TEST_CODE_RAN"]).write_text("ran")
+from transformers import LlamaConfig, LlamaForCausalLM
+class CustomConfig(LlamaConfig):
+    model_type = "custom_llama"
+class CustomLlamaForCausalLM(LlamaForCausalLM):
+    config_class = CustomConfig
+"""
+
+
+def shared_run_with_code(tmp_path: Path, tiny_model_dir: Path) -> Path:
+    """A LoRA run folder as a stranger could share it: its base ships a .py file, and its recipe.yaml says
+    `trust_remote_code: true` (a folder's own word, which must not make llmtune run that file)."""
+    import shutil
+
+    import yaml
+    from peft import LoraConfig, get_peft_model
+
+    base = tmp_path / "base-with-code"
+    shutil.copytree(tiny_model_dir, base)
+    (base / "custom_llama.py").write_text(CUSTOM_CODE)
+    config = json.loads((base / "config.json").read_text())
+    # A model type transformers does not know: only the folder's code can load it.
+    config["model_type"] = "custom_llama"
+    config["auto_map"] = {
+        "AutoConfig": "custom_llama.CustomConfig",
+        "AutoModelForCausalLM": "custom_llama.CustomLlamaForCausalLM",
+    }
+    (base / "config.json").write_text(json.dumps(config))
+    run = tmp_path / "shared-run"
+    lora = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=2, target_modules=["q_proj"])
+    )
+    lora.save_pretrained(run / "final")
+    adapter_config = json.loads((run / "final" / "adapter_config.json").read_text())
+    (run / "final" / "adapter_config.json").write_text(
+        json.dumps({**adapter_config, "base_model_name_or_path": str(base)})
+    )
+    (run / "recipe.yaml").write_text(yaml.safe_dump({"model": {"name_or_path": str(base), "trust_remote_code": True}}))
+    return run
+
+
+def test_a_run_folder_cannot_opt_itself_into_running_its_code(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    ran = tmp_path / "code-ran"
+    monkeypatch.setenv("LLMTUNE_TEST_CODE_RAN", str(ran))
+    run = shared_run_with_code(tmp_path, tiny_model_dir)
+    for argv in (
+        ["generate", "--run", str(run), "--prompt", PROMPT, "--max-new-tokens", "2"],
+        ["merge", "--run", str(run), "--out", str(tmp_path / "merged")],
+    ):
+        assert main(argv) == 2
+        (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("llmtune: error:")]
+        assert "base-with-code" in line and "--trust-remote-code" in line
+    assert not ran.exists() and not (tmp_path / "merged").exists()
+
+    # The user's own flag is what lets it run.
+    assert (
+        main(["generate", "--run", str(run), "--prompt", PROMPT, "--max-new-tokens", "2", "--trust-remote-code"]) == 0
+    )
+    assert ran.read_text() == "ran"
