@@ -28,6 +28,7 @@ import copy
 import json
 import logging
 import re
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,23 +75,24 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_promp
     )
 
 
-def as_rendered(tokenizer: Any, messages: list[dict[str, Any]], tools: Tools = None) -> list[dict[str, Any]]:
-    """The turns as the template is given them: reasoning under the key it reads, and a system turn it refuses
-    folded into the first user turn (said once per template)."""
+def as_rendered(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: Tools = None
+) -> tuple[list[dict[str, Any]], str]:
+    """The turns as the template is given them (reasoning under the key it reads, a system turn it refuses folded
+    into the first user turn, said once per template) and their rendering, without a generation prompt."""
     messages = _reasoning_for(_template(tokenizer), messages)
     try:
-        _render(tokenizer, messages, False, tools)
-        return messages
+        return messages, _render(tokenizer, messages, False, tools)
     except Exception:  # a chat template may raise anything (jinja's raise_exception, TypeError...)
         folded = _fold_system(messages)
         if folded is None:
             raise
-        _render(tokenizer, folded, False, tools)  # the template's own error if it still refuses
+        text = _render(tokenizer, folded, False, tools)  # the template's own error if it still refuses
         template = _template(tokenizer)
         if template not in _folded_templates:
             _folded_templates.add(template)
             logger.warning("the chat template refuses a system turn: folding it into the first user turn")
-        return folded
+        return folded, text
 
 
 def _fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
@@ -121,7 +123,8 @@ def _reasoning_for(template: str, messages: list[dict[str, Any]]) -> list[dict[s
 
 
 def chat_text(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Tools = None) -> str:
-    return _render(tokenizer, as_rendered(tokenizer, messages, tools), add_generation_prompt, tools)
+    messages, text = as_rendered(tokenizer, messages, tools)
+    return _render(tokenizer, messages, True, tools) if add_generation_prompt else text
 
 
 def chat_ids(
@@ -141,10 +144,9 @@ def render_chat(
 ) -> tuple[list[int], list[bool]]:
     """The conversation's ids and, per id, whether it is trained: assistant turns from index `first_trained` on
     (a preference pair's earlier rounds are context), each its text and end-of-turn token."""
-    messages = as_rendered(tokenizer, messages, tools)
+    messages, text = as_rendered(tokenizer, messages, tools)
     if _GENERATION_TAG.search(_template(tokenizer)):
         return _by_generation_tags(tokenizer, messages, first_trained, tools)
-    text = _render(tokenizer, messages, False, tools)
     try:
         spans = _place(text, _render(tokenizer, _with_markers(messages, users=True), False, tools), messages)
     except ChatError:  # a template whose rendering depends on the user's text (rare): assistant texts alone
@@ -153,8 +155,7 @@ def render_chat(
     ids = list(encoded["input_ids"])
     offsets = _cores(text, ids, encoded["offset_mapping"], tokenizer)
     trained = [False] * len(ids)
-    header, special = _generation_prompt(tokenizer), _special_ids(tokenizer)
-    closers = tokenizer.convert_ids_to_tokens(sorted(special))
+    header, special, closers = _template_facts(tokenizer)
     for k in sorted({k for k, part in spans if part[0] in "crt"}):
         parts = {part: span for (turn, part), span in spans.items() if turn == k}
         floor = max((e for (turn, _), (_, e) in spans.items() if turn < k), default=0)  # the previous turn's text
@@ -366,6 +367,21 @@ def _call_ends(tokenizer: Any) -> set[int]:
 def _special_ids(tokenizer: Any) -> set[int]:
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     return set(tokenizer.all_special_ids) | {i for i, token in added.items() if getattr(token, "special", False)}
+
+
+_facts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _template_facts(tokenizer: Any) -> tuple[str, set[int], list[str]]:
+    """(the generation prompt, the special ids, their texts): the same for every row, so worked out once per tokenizer
+    and template (a dataset renders each row with one tokenizer)."""
+    template = _template(tokenizer)
+    cached = _facts.get(tokenizer)
+    if cached is None or cached[0] != template:
+        special = _special_ids(tokenizer)
+        cached = (template, (_generation_prompt(tokenizer), special, tokenizer.convert_ids_to_tokens(sorted(special))))
+        _facts[tokenizer] = cached
+    return cached[1]
 
 
 def _generation_prompt(tokenizer: Any) -> str:
