@@ -21,7 +21,7 @@ from accelerate.utils import set_seed
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from llmtune import checkpoint, parallel, rundir
-from llmtune.data import batch_for_step, eval_batches, prepare_data, squared_lengths
+from llmtune.data import DataError, batch_for_step, eval_batches, prepare_data, squared_lengths
 from llmtune.errors import EXIT_PREEMPTED
 from llmtune.launch import make_accelerator
 from llmtune.loss import resolve_loss_impl
@@ -84,6 +84,7 @@ def assemble(
     set_seed(recipe.seed)
     tokenizer = load_tokenizer(recipe.model)
     data = prepare_data(recipe.data, tokenizer, seed=recipe.seed, main_process_first=accelerator.main_process_first)
+    enough_rows(len(data.train), objective.draw(0, recipe.training.global_batch_size)[1])
     config = load_config(recipe.model)
     loss_impl = resolve_loss_impl(recipe.training.loss, config)
     if resume_from is not None:  # the plan the run started with: same micro-batch, same checkpointing
@@ -124,6 +125,15 @@ def assemble(
     run.plan = plan_after_out_of_memory(run)
     log_setup(run, *parts.parameters)
     return run
+
+
+def enough_rows(rows: int, per_step: int) -> None:
+    """Refuse, before the model loads, a training set that cannot fill one optimizer step's draw."""
+    if rows < per_step:
+        raise DataError(
+            f"data.train: {rows} training rows (after packing and the length policy), fewer than one step draws"
+            f" ({per_step}): lower training.global_batch_size or add data"
+        )
 
 
 def resume(run: Run, path: Path) -> None:

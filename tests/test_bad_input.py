@@ -51,12 +51,15 @@ BAD_RECIPE_FILES: dict[str, Callable[[Ctx], Path]] = {
     "not-a-mapping": lambda c: c.file("list.yaml", "- model\n- data\n"),
     "yaml-syntax": lambda c: c.file("broken.yaml", "model: {name_or_path: [x\n"),
 }
+ONE_ROW = '{"prompt": "What is 2+2?", "completion": "4"}\n'
 BAD_DATA_FILES: dict[str, Callable[[Ctx], Path]] = {
     "missing": lambda c: c.tmp / "no-such-data.jsonl",
     "broken-row": lambda c: c.file("broken.jsonl", '{"prompt": "a", "completion": "b"}\n{"prompt": "a",\n'),
     "missing-field": lambda c: c.file("nofield.jsonl", '{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n'),
     "unsupported-type": lambda c: c.file("rows.txt", "some text\n"),
     "empty": lambda c: c.file("empty.jsonl", ""),
+    # Latin-1 bytes: pyarrow reads them and fails only when tokenising takes the value out, naming nothing.
+    "not-utf8": lambda c: c.file("latin1.jsonl", b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9"}\n'),
 }
 
 
@@ -87,6 +90,11 @@ CASES: dict[str, Case] = {
         for kind, make in BAD_RECIPE_FILES.items()
     },  # fmt: skip
     **{f"{cmd}-data-{kind}": data_cmd(cmd, make) for cmd in ("train", "data") for kind, make in BAD_DATA_FILES.items()},
+    # one row, where a step draws 32: refused before the model loads, not a ValueError at step 0
+    "train-data-fewer-rows-than-a-step": lambda c: (
+        ["train", "--recipe", str(c.recipe), f"data.train=[{{path: '{c.file('one.jsonl', ONE_ROW)}'}}]"],
+        "global_batch_size",
+    ),
     # model paths
     "train-model-missing": with_recipe("train", "model.name_or_path=./no-such-model", named="./no-such-model"),
     "data-model-missing": with_recipe("data", "model.name_or_path=/no/such/model", named="/no/such/model"),

@@ -584,6 +584,17 @@ def test_a_template_that_renders_only_the_last_turn_trains_what_it_renders(tmp_p
     assert tokenizer.decode(trained_ids(row["input_ids"], row["labels"])) == CHAT[-1]["content"] + "<|im_end|>"
 
 
+def test_a_prompt_column_named_like_a_reward_keyword_is_refused(tmp_path, tokenizer):
+    # Reward functions are called with prompt= and completion=: a column `completion` collided at step 1.
+    rows = [{"prompt": "What is 2+2?", "completion": "4"}]
+    msg = _error(tmp_path, tokenizer, rows, {"format": "prompt"})
+    assert "row 1" in msg and "field `completion`" in msg and "fields:" in msg
+    path = write_jsonl(tmp_path / "renamed.jsonl", rows)
+    renamed = SourceConfig(path=str(path), format="prompt", fields={"reference": "completion"})
+    row = prepare_data(config(renamed), tokenizer, seed=0).train[0]
+    assert json.loads(row["fields"])["reference"] == "4"
+
+
 def test_hub_ids_go_through_load_dataset(monkeypatch, tokenizer):
     calls = []
 

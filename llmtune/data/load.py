@@ -53,6 +53,8 @@ def _load_file(path: Path) -> datasets.Dataset:
         raise DataError(f"{path}: unsupported file type (use one of {', '.join(FILE_BUILDERS)})")
     if path.stat().st_size == 0:
         raise DataError(f"{path}: row 1: file is empty")
+    if builder in ("json", "csv"):
+        _check_utf8(path)
     extra = {"features": _csv_as_text(path)} if builder == "csv" else {}
     return datasets.load_dataset(builder, data_files=str(path), split="train", **extra)
 
@@ -62,6 +64,21 @@ def _load_folder(path: Path, split: str) -> datasets.Dataset:
         loaded = datasets.load_from_disk(str(path))
         return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
     return datasets.load_dataset(str(path), split=split)
+
+
+def _check_utf8(path: Path) -> None:
+    """A text file's first line that is not UTF-8, named: pyarrow reads such bytes into its strings and fails only
+    when a value is taken out, mid-tokenisation, with no file or row."""
+    with path.open("rb") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                where = f"row {number}" if _suffix(path) == ".jsonl" else f"line {number}"
+                raise DataError(
+                    f"{path}: {where}: not UTF-8 (byte {line[bad.start]:#04x} at column {bad.start + 1}); save the"
+                    " file as UTF-8"
+                ) from None
 
 
 def _csv_as_text(path: Path) -> datasets.Features:

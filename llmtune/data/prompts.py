@@ -15,6 +15,8 @@ from typing import Any
 from llmtune.data.chat import chat_ids
 from llmtune.data.render import IGNORE, DataError, messages_of, render_prompt
 
+RESERVED = frozenset({"prompt", "completion"})  # the keywords every reward function is called with
+
 
 def render_prompt_row(row: dict[str, Any], renames: dict[str, str], prompt_column: str, tokenizer: Any) -> dict:
     """One source row (its raw columns) -> input_ids (the prompt), labels (none trained), length, fields."""
@@ -29,6 +31,12 @@ def render_prompt_row(row: dict[str, Any], renames: dict[str, str], prompt_colum
         raise DataError(f"field `{prompt_column}`: renders to no tokens")
     name_of = {column: name for name, column in renames.items()}
     fields = {name_of.get(column, column): value for column, value in row.items() if column != prompt_column}
+    for reserved in RESERVED & set(fields):
+        column = next(c for c in row if name_of.get(c, c) == reserved)
+        raise DataError(
+            f"field `{column}`: reward functions receive `{reserved}` themselves (the sampled {reserved}); give this"
+            f" column another name with fields: {{<name>: {column}}}"
+        )
     fields["prompt"] = prompt
     return {
         "input_ids": ids,
