@@ -7,7 +7,7 @@ newline a template writes after that token, not the next role's header.
 
 Turns are found in the rendered text, not by rendering prefixes (which breaks on templates that render history
 differently from the last turn: Qwen3 drops earlier reasoning, Mistral moves the system prompt to the last user
-turn). The conversation is rendered a second time with each assistant text replaced by a marker; the text between
+turn). The conversation is rendered a second time with each message's text replaced by a marker; the text between
 markers is the template's own and must equal the real rendering around each text (as given, or as the template
 trimmed it), which places every text to the character. The fast tokenizer's offsets map characters to tokens, and
 the end-of-turn token is the first special token after the text (whitespace between is trained too: the model
@@ -17,8 +17,9 @@ writes it). A template whose rendering of a text cannot be placed so is refused,
 * Reasoning (`reasoning_content`; `thinking` or `reasoning` also read; or a leading `<think>...</think>` in the
   content) reaches the template under the key it reads; what it renders is trained or not by
   `data.train_reasoning`. Templates that drop earlier turns' reasoning drop it here too.
-* Tool calls (`tool_calls`) and `tool` turns pass through as the template renders them; a call is trained from the
-  assistant header (the template's generation prompt) to its end-of-turn token.
+* Tool calls (`tool_calls`), `tool` turns and the `tools` schemas pass through as the template renders them; a call
+  is trained from where the model starts writing it (after the assistant header, the template's generation prompt,
+  or after the token that closes the previous turn) to the token that ends it; a tool's output never is.
 * A template that refuses a system turn (Gemma-2 raises) gets it folded into the first user turn, said once.
 """
 
@@ -147,6 +148,9 @@ def render_chat(
     messages, text = as_rendered(tokenizer, messages, tools)
     if _GENERATION_TAG.search(_template(tokenizer)):
         return _by_generation_tags(tokenizer, messages, first_trained, tools)
+    if not any(turn["role"] == "assistant" for turn in messages[first_trained:]):
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return ids, [False] * len(ids)
     try:
         spans = _place(text, _render(tokenizer, _with_markers(messages, users=True), False, tools), messages)
     except ChatError:  # a template whose rendering depends on the user's text (rare): assistant texts alone
@@ -253,11 +257,11 @@ def _trimmed(value: str) -> dict[str, None]:
 
 
 def _unplaced(spans: dict[tuple[int, str], tuple[int, int]], messages: list[dict[str, Any]]) -> str:
-    turn = max((k for k, _ in spans), default=next(k for k, t in enumerate(messages) if t["role"] == "assistant"))
+    turn = max((k for k, _ in spans), default=0)
     return (
-        f"turn {turn}: the chat template rewrites this assistant turn's text (not only trimming it), so its tokens"
-        " cannot be located in the rendering; give the template {% generation %} markers, or the text as the"
-        " template writes it"
+        f"turn {turn} ({messages[turn]['role']}): the chat template rewrites this turn's text (not only trimming it),"
+        " so the assistant tokens cannot be located in the rendering; give the template {% generation %} markers, or"
+        " the text as the template writes it"
     )
 
 
