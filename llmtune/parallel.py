@@ -256,6 +256,11 @@ def clip_grad_norm(acc: Accelerator, engine: Engine, model: torch.nn.Module, max
     return float(acc.clip_grad_norm_(model.parameters(), max_norm))
 
 
+def loss_scale(scaler: torch.amp.GradScaler | None) -> float | None:
+    """fp16's current loss scale; None without a scaler (bf16, fp32, DeepSpeed's own)."""
+    return scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+
+
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> bool:
     """Step; True when the update was skipped for inf/nan gradients (fp16 loss scaling).
 

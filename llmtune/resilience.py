@@ -34,13 +34,15 @@ class NonFiniteGuard:
         self.limit, self.checkpoints = limit, checkpoints
         self.in_a_row = 0
 
-    def check(self, step: int, finite: bool, loss: float, grad_norm: float) -> None:
-        """After 0-based `step`; raises TrainingError at the limit."""
+    def check(self, step: int, finite: bool, loss: float, grad_norm: float, loss_scale: float | None = None) -> None:
+        """After 0-based `step`; raises TrainingError at the limit. `loss_scale`: fp16's, where the step had one."""
         if finite:
             self.in_a_row = 0
             return
         self.in_a_row += 1
         what = f"loss ({loss})" if not math.isfinite(loss) else f"gradient norm ({grad_norm})"
+        if math.isfinite(loss) and loss_scale is not None:
+            what = f"gradients (fp16 overflow at loss scale {loss_scale:g}: they overflow unscaled)"
         log.warning("step %d: non-finite %s, update skipped (%d in a row)", step + 1, what, self.in_a_row)
         if self.in_a_row >= self.limit:
             raise TrainingError(

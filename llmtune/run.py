@@ -50,5 +50,6 @@ class StepResult(NamedTuple):
     flops: float  # model FLOPs, all processes (metrics.ModelFlops)
     grad_norm: float
     overflow: bool  # fp16: the loss scaler found inf/nan gradients and skipped the update
-    finite: bool  # loss and gradients finite; else the update was skipped (fp16's overflow aside)
+    finite: bool  # loss and gradients finite; else the update was skipped (fp16: an overflow at loss scale <= 1)
     extra: dict[str, float]  # the objective's own metrics (preference: rewards, margin, accuracy)
+    loss_scale: float | None = None  # fp16: the loss scale the step ran at

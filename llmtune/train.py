@@ -182,7 +182,7 @@ def loop(run: Run) -> dict[str, Any]:
             result, peak, reserved = measured_step(run, examples, step)
             if result is None:  # out of memory: the plan shrank; redo the same step
                 continue
-            guard.check(step, result.finite, result.loss, result.grad_norm)
+            guard.check(step, result.finite, result.loss, result.grad_norm, result.loss_scale)
             run.counters["skipped_steps"] += int(not result.finite or result.overflow)  # overflow: fp16's scaler
             step += 1
             run.counters["trained_tokens"] += result.trained_tokens
@@ -313,7 +313,7 @@ def train_step(run: Run, examples: list[dict]) -> StepResult | None:
         return None
     loss, *stats = acc.reduce(sums, reduction="sum").reshape(-1).tolist()
     loss /= max(units, 1)
-    grad_norm, overflow, finite = float("nan"), False, math.isfinite(loss)
+    grad_norm, overflow, finite, scale = float("nan"), False, math.isfinite(loss), None
     if finite:
         try:
             grad_norm = parallel.clip_grad_norm(acc, run.engine, model, run.recipe.training.max_grad_norm)
@@ -321,12 +321,17 @@ def train_step(run: Run, examples: list[dict]) -> StepResult | None:
             # next checkpoint, unless the engine's update skips them itself.
             finite = math.isfinite(grad_norm) or parallel.skips_nonfinite_updates(acc, run.engine)
             if finite:
+                scale = parallel.loss_scale(acc.scaler)
                 overflow = parallel.optimizer_step(run.optimizer, acc.scaler)
+                # fp16's scaler skips an update whose scaled gradients overflowed and halves its scale. Above scale 1
+                # that is the scaler finding its level; at 1 or below the gradients overflow unscaled: non-finite, and
+                # counted by the guard like any other, or a run that overflows every step would never stop.
+                finite = not (overflow and scale is not None and scale <= 1)
         except torch.OutOfMemoryError:  # the weights may be half-updated: only the last checkpoint is sound
             stop_after_out_of_memory(run, "clipping/optimizer step", len(examples))
     run.optimizer.zero_grad(set_to_none=True)
     flops = run.flops.step(processed, total, squares)
-    return StepResult(loss, total, flops, grad_norm, overflow, finite, run.objective.metrics(stats, units))
+    return StepResult(loss, total, flops, grad_norm, overflow, finite, run.objective.metrics(stats, units), scale)
 
 
 @torch.no_grad()

@@ -290,3 +290,50 @@ def test_resume_auto_skips_checkpoints_that_are_not_whole_and_says_why(tiny_reci
     assert "step-000006" in skipped[0] and "random_states_0.pkl is missing" in skipped[0]
     assert "step-000004" in skipped[1] and "model.safetensors has 1000 bytes" in skipped[1]
     fit(resumed)
+
+
+def with_loss_scaler(run, init_scale: float) -> torch.amp.GradScaler:
+    """fp16's dynamic loss scaling on a CPU. llmtune refuses fp16 there (Accelerate would train fp32 silently), so
+    a real torch GradScaler is put where Accelerate keeps its own: on the accelerator (backward scales the loss) and in
+    the prepared optimizer (its step unscales, skips an update with inf/nan gradients and halves the scale)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    run.accelerator.scaler = scaler
+    run.optimizer = AcceleratedOptimizer(run.optimizer.optimizer, device_placement=False, scaler=scaler)
+    return scaler
+
+
+def overflow_in_steps(run, steps: set[int]) -> None:
+    """inf gradients in the given 0-based steps (one backward a step)."""
+    calls = {"n": 0}
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        return grad * float("inf") if calls["n"] - 1 in steps else grad
+
+    next(p for p in run.model.parameters() if p.requires_grad).register_hook(hook)
+
+
+def test_fp16_that_overflows_every_step_stops_once_the_loss_scale_cannot_explain_it(tiny_recipe):
+    """Under a loss scaler an overflow skips the update and halves the scale, so the step used to count as finite and
+    a run that overflowed every step finished with exit 0 and an untrained final/. Skips at a scale above 1 are the
+    scaler finding its level; from scale 1 down the gradients overflow unscaled, and max_nonfinite_steps stops it."""
+    recipe = tiny_recipe(training__micro_batch_size=8, training__max_steps=10, training__max_nonfinite_steps=3)
+    run = build(load_recipe(recipe))
+    with_loss_scaler(run, init_scale=4.0)
+    overflow_in_steps(run, set(range(10)))
+    # Scales 4 and 2 skip as calibration; 1, 0.5 and 0.25 count: the third is step 5.
+    with pytest.raises(TrainingError, match=r"step 5: 3 consecutive non-finite") as stopped:
+        fit(run)
+    assert "bf16 instead of fp16" in str(stopped.value)
+    assert not (Path(run.recipe.output_dir) / "final").exists()
+
+
+def test_fp16_overflows_while_the_scaler_finds_its_level_do_not_stop_a_run(tiny_recipe):
+    recipe = tiny_recipe(training__micro_batch_size=8, training__max_steps=6, training__max_nonfinite_steps=3)
+    run = build(load_recipe(recipe))
+    scaler = with_loss_scaler(run, init_scale=2.0**16)
+    overflow_in_steps(run, {0, 1, 2, 3})  # 4 in a row, more than max_nonfinite_steps, all at scales above 1
+    summary = fit(run)
+    assert summary["skipped_steps"] == 4 and scaler.get_scale() == 2.0**12
