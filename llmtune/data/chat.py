@@ -240,7 +240,7 @@ def _place(text: str, marked: str, messages: list[dict[str, Any]]) -> dict[tuple
             (v for v in _trimmed(value) if text.startswith(v, at) and text.startswith(after, at + len(v))), None
         )
         if shown is None:
-            raise ChatError(_unplaced({**spans, (k, part): (at, at)}, messages))
+            raise ChatError(_unplaced(spans, messages, k))
         spans.setdefault((k, part), (at, at + len(shown)))
         at += len(shown)
     if at != len(text):
@@ -256,8 +256,14 @@ def _trimmed(value: str) -> dict[str, None]:
     return dict.fromkeys((*trims, json.dumps(value, ensure_ascii=False)[1:-1]))  # in `| tojson`: quotes are its own
 
 
-def _unplaced(spans: dict[tuple[int, str], tuple[int, int]], messages: list[dict[str, Any]]) -> str:
-    turn = max((k for k, _ in spans), default=0)
+def _unplaced(
+    spans: dict[tuple[int, str], tuple[int, int]], messages: list[dict[str, Any]], turn: int | None = None
+) -> str:
+    """The refusal, naming `turn`, or else the first assistant turn not placed (the template's text around it
+    differs)."""
+    placed = {k for k, part in spans if part[0] in "crt"}
+    unplaced = (k for k, t in enumerate(messages) if t["role"] == "assistant" and k not in placed)
+    turn = turn if turn is not None else next(unplaced, max((k for k, _ in spans), default=0))
     return (
         f"turn {turn} ({messages[turn]['role']}): the chat template rewrites this turn's text (not only trimming it),"
         " so the assistant tokens cannot be located in the rendering; give the template {% generation %} markers, or"
