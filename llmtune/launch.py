@@ -40,7 +40,7 @@ def make_accelerator(recipe: Recipe, engine: parallel.Engine, objective: Objecti
         mixed_precision=mixed,
         log_with=recipe.logging.report_to or None,
         project_dir=recipe.output_dir,
-        **parallel.prepare_launch(engine, device_type),
+        **parallel.prepare_launch(engine, device_type, recipe.distributed.timeout),
     )
     if launcher and launcher != mixed:
         log.info("the launcher asked for mixed_precision=%s; the recipe's precision %s wins", launcher, precision)

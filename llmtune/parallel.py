@@ -24,6 +24,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -68,19 +69,20 @@ def launched_engine() -> Engine:
     return "ddp"
 
 
-def prepare_launch(engine: Engine, device_type: str) -> dict[str, Any]:
+def prepare_launch(engine: Engine, device_type: str, timeout: float) -> dict[str, Any]:
     """Set this process up for the engine on this device, and return the Accelerator's keyword arguments that make
-    the processes form a real group there."""
+    the processes form a real group there, with the recipe's collective timeout (seconds)."""
+    group = {"timeout": timedelta(seconds=timeout)}
     if device_type == "cpu":
         # Accelerate and transformers import DeepSpeed wherever it is installed (unwrapping a model to save it),
         # which then warns that it found no GPU ("Setting accelerator to CPU") unless told it is on a CPU.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if is_deepspeed(engine):
         if device_type != "cpu":
-            return {}
+            return {"kwargs_handlers": [InitProcessGroupKwargs(**group)]}
         deepspeed_over_gloo()
         # DeepSpeed on CPUs: gloo, and no cpu=True (with it Accelerate drops DeepSpeed; platform notes).
-        return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
+        return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo", **group)]}
     if engine == "fsdp2":
         # Sharding is applied in `shard_fsdp2`; Accelerate must only form the group (MULTI_CPU / MULTI_GPU), and
         # transformers must load the whole model on every process. The next run of the process (a launch may train
@@ -88,7 +90,7 @@ def prepare_launch(engine: Engine, device_type: str) -> dict[str, Any]:
         global _fsdp_hidden
         os.environ["ACCELERATE_USE_FSDP"], _fsdp_hidden = "false", True
     # Without cpu=True a CPU-only multi-process launch trains each process alone (platform notes).
-    return {"cpu": device_type == "cpu"}
+    return {"cpu": device_type == "cpu", "kwargs_handlers": [InitProcessGroupKwargs(**group)]}
 
 
 def engine_in_use(engine: Engine) -> Engine:

@@ -186,6 +186,23 @@ def test_a_run_stuck_in_a_collective_ends_on_sigterm_keeping_the_last_checkpoint
     assert checkpoint.complete_checkpoints(run)[-1].name == "step-000002"
 
 
+def test_a_collective_left_waiting_past_distributed_timeout_fails_the_run(tiny_recipe, tmp_path):
+    """Process 1 stops answering in its third step: process 0's collective gives up after `distributed.timeout` (3 s
+    here) and the launch fails, where torch's own gloo default waits 30 minutes (the subprocess limit below)."""
+    recipe = tiny_recipe(training__micro_batch_size=2, training__max_steps=100, distributed__timeout=3)
+    entry, run, hung = tmp_path / "hung_finetune.py", tmp_path / "run", tmp_path / "hung"
+    entry.write_text(HANGING_ENTRY)
+    done = subprocess.run(
+        launch(recipe, f"output_dir={run}", script=entry),
+        env={**os.environ, "HUNG": str(hung)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert hung.exists() and done.returncode != 0
+    assert "Timed out" in done.stderr or "timeout" in done.stderr.lower(), done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("config", sorted((ROOT / "recipes" / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_launcher_configs_parse(config):
     from accelerate.commands.config.config_args import ClusterConfig

@@ -100,6 +100,19 @@ def test_a_recipe_sets_tf32_for_the_run(tiny_recipe):
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
+def test_a_recipe_sets_the_collective_timeout(tiny_recipe):
+    from datetime import timedelta
+
+    from llmtune.launch import make_accelerator
+    from llmtune.objectives import objective_for
+    from llmtune.recipe import load_recipe
+
+    for overrides, seconds in (({}, 1800), ({"distributed__timeout": 90}, 90)):
+        recipe = load_recipe(tiny_recipe(**overrides))
+        accelerator, _, _ = make_accelerator(recipe, "ddp", objective_for(recipe))
+        assert accelerator.init_handler.timeout == timedelta(seconds=seconds)
+
+
 def _bf16_sizes(cfg) -> tuple[int, int, int]:
     """The model's parameter bytes in bf16, one decoder layer's, and the root's (all but the layers)."""
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
