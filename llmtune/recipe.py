@@ -350,7 +350,7 @@ class DistributedConfig:
     timeout: float = doc(
         "Seconds a process waits in a collective for the others before the run fails (torch's process-group timeout;"
         " torch's own defaults are 10 min for NCCL, 30 for gloo). Raise it when one process alone does long work the"
-        " others wait for (tokenising a large dataset, writing a large checkpoint). 1800 s: the HF Trainer's ddp_timeout.",
+        " others wait for (tokenising a large dataset, writing a large checkpoint). 1800: the HF Trainer's default.",
         1800.0,
     )
 
