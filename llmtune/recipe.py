@@ -346,16 +346,6 @@ class GRPOConfig:
 
 
 @dataclass(frozen=True)
-class DistributedConfig:
-    timeout: float = doc(
-        "Seconds a process waits in a collective for the others before the run fails (torch's process-group timeout;"
-        " torch's own defaults are 10 min for NCCL, 30 for gloo). Raise it when one process alone does long work the"
-        " others wait for (tokenising a large dataset, writing a large checkpoint). 1800: the HF Trainer's default.",
-        1800.0,
-    )
-
-
-@dataclass(frozen=True)
 class Recipe:
     model: ModelConfig = doc("The causal LM and its tokenizer.")
     data: DataConfig = doc("Where the examples come from and how they become tokens.", factory=DataConfig)
@@ -378,7 +368,6 @@ class Recipe:
         "Preference tuning settings (training.objective dpo / orpo / simpo).", factory=PreferenceConfig
     )
     grpo: GRPOConfig = doc("Online RL settings (training.objective grpo).", factory=GRPOConfig)
-    distributed: DistributedConfig = doc("Several processes (launched by accelerate).", factory=DistributedConfig)
 
     def __post_init__(self) -> None:
         # As a shell would: left alone, `~/runs/x` made a folder named `~` in the working directory.
@@ -646,18 +635,32 @@ def _convert(tp: Any, value: Any, dotted: str, where, origins, default_file, pro
         if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
             problems.append(f"{where(dotted)}: `{dotted}` must be a mapping of names to names, got {value!r}")
         return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        try:  # YAML reads 1e-4 (no dot) as a string; accept it as the number it obviously is.
-            return float(value)
-        except ValueError:
-            pass
+    if tp is float:
+        number = _as_float(value)
+        if number is not None:
+            # No rule below can refuse NaN (every comparison with it is false), and no float key means infinity.
+            if not math.isfinite(number):
+                problems.append(f"{where(dotted)}: `{dotted}` must be a finite number, got {value!r}")
+            return number
     if tp is type(None) and value is None:
         return None
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         problems.append(f"{where(dotted)}: `{dotted}` must be {_describe(tp)}, got {value!r}")
     return value
+
+
+def _as_float(value: Any) -> float | None:
+    """`value` as a float key reads it (ints, floats, and strings YAML left unread), or None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:  # YAML reads 1e-4 (no dot) as a string; accept it as the number it obviously is.
+            return float(value)
+        except ValueError:
+            return None
+    return None
 
 
 def _describe(tp: Any) -> str:
@@ -684,10 +687,14 @@ def _check_values(r: Recipe) -> list[tuple[str, str]]:
             problems.append((key, f"`{key}` {why}"))
 
     need(bool(r.data.train), "data.train", "must name at least one source")
+    for split in ("train", "eval"):
+        for i, src in enumerate(getattr(r.data, split)):
+            need(src.weight > 0, f"data.{split}[{i}].weight", f"must be positive, got {src.weight}")
+    # random, numpy and torch all take it: numpy only in [0, 2**32).
+    need(0 <= r.seed < 2**32, "seed", f"must be in [0, 2**32), got {r.seed}")
     need(r.data.max_length > 0, "data.max_length", "must be positive")
     need(0.0 <= r.data.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
     need(t.global_batch_size > 0, "training.global_batch_size", "must be positive")
-    need(0 < r.distributed.timeout < math.inf, "distributed.timeout", "must be a positive number of seconds")
     need(t.max_steps > 0, "training.max_steps", "must be positive")
     need(t.learning_rate > 0, "training.learning_rate", "must be positive")
     # A warmup longer than the run is allowed (smoke runs: max_steps=1): the rate never reaches its peak.
@@ -699,6 +706,7 @@ def _check_values(r: Recipe) -> list[tuple[str, str]]:
         "must be two numbers in [0, 1)",
     )
     need(t.max_grad_norm >= 0, "training.max_grad_norm", "must be >= 0")
+    need(t.weight_decay >= 0, "training.weight_decay", "must be >= 0")
     if isinstance(t.gradient_checkpointing, Checkpointing):
         need(
             t.gradient_checkpointing.every_n_layers >= 0,
@@ -716,6 +724,8 @@ def _check_values(r: Recipe) -> list[tuple[str, str]]:
     need(r.checkpoint.every_n_steps >= 0, "checkpoint.every_n_steps", "must be >= 0")
     need(r.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     need(r.logging.every_n_steps >= 1, "logging.every_n_steps", "must be >= 1")
+    need(r.peft.rank >= 1, "peft.rank", f"must be >= 1, got {r.peft.rank}")
+    need(0 <= r.peft.dropout < 1, "peft.dropout", f"must be in [0, 1), got {r.peft.dropout}")
     if r.peft.adapter_dtype == "bf16":
         need(r.peft.method != "none", "peft.adapter_dtype", "applies to adapters: set peft.method")
         need(

@@ -63,6 +63,32 @@ def test_value_rules(tmp_path):
         load_recipe(path)
 
 
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("training.weight_decay=.nan", "training.weight_decay"),
+        ("data.train=[{path: x.jsonl, weight: .nan}]", "data.train[0].weight"),
+        ("data.train=[{path: x.jsonl, weight: 0}]", "data.train[0].weight"),
+        ("seed=-5", "seed"),
+        ("training.learning_rate=.inf", "training.learning_rate"),
+        ("training.weight_decay=-0.1", "training.weight_decay"),
+        ("peft.rank=0", "peft.rank"),
+        ("peft.dropout=.nan", "peft.dropout"),
+        ("peft.dropout=1.0", "peft.dropout"),
+    ],
+)
+def test_values_no_run_can_use_are_refused_naming_the_key(tmp_path, capsys, override, key):
+    """NaN passes every `>= 0` rule (each comparison with it is false): each of these trained, or failed deep inside
+    a run, before."""
+    from llmtune.cli import main
+
+    path = write(tmp_path / "r.yaml", MINIMAL)
+    assert main(["train", "--recipe", str(path), override]) == 2
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.strip()]
+    assert line.startswith("llmtune: error:") and f"`{key}`" in line and "Traceback" not in err
+
+
 def test_preference_beta_unset_is_the_objectives_default_and_set_is_checked(tmp_path):
     pairs = {"train": [{"path": "x.jsonl", "format": "preference"}]}
 
