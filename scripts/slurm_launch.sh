@@ -59,11 +59,15 @@ trap 'trap "" USR1; preempted=1; scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
 # The launchers ignore USR1 (`trap ''` is inherited through exec): torch elastic does not handle it, so by default
 # it would kill them at once, and SLURM would end the step, workers and all, in the middle of their save. The
 # workers inherit the ignore too until llmtune installs its own handler for the training loop.
+# What the user passed reaches that inner shell quoted (%q): pasted as it is, a space in the recipe's path or in an
+# override would split it, and a `;` or `$(...)` in one would run as a command on every node.
+printf -v CONFIG_ARG '%q' "$CONFIG"
+printf -v MAIN_IP_ARG '%q' "$MAIN_IP"
+printf -v TRAIN_ARGS ' %q' scripts/finetune.py --recipe "$RECIPE" checkpoint.resume=auto "$@"
 srun --kill-on-bad-exit=1 bash -c "trap '' USR1; exec accelerate launch \
-  --config_file $CONFIG --num_machines $SLURM_NNODES --num_processes $((SLURM_NNODES * GPUS_PER_NODE)) \
-  --machine_rank \$SLURM_NODEID --main_process_ip $MAIN_IP --main_process_port 29500 \
-  --rdzv_backend static \
-  scripts/finetune.py --recipe $RECIPE checkpoint.resume=auto $*" &
+  --config_file $CONFIG_ARG --num_machines $SLURM_NNODES --num_processes $((SLURM_NNODES * GPUS_PER_NODE)) \
+  --machine_rank \$SLURM_NODEID --main_process_ip $MAIN_IP_ARG --main_process_port 29500 \
+  --rdzv_backend static$TRAIN_ARGS" &
 launcher=$!
 # The trap ends `wait` early (status 138) while srun runs on, saving: wait until srun itself has ended.
 while kill -0 "$launcher" 2>/dev/null; do wait "$launcher" || true; done
