@@ -346,6 +346,16 @@ class GRPOConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    timeout: float = doc(
+        "Seconds a process waits in a collective for the others before the run fails (torch's process-group timeout;"
+        " torch's own defaults are 10 min for NCCL, 30 for gloo). Raise it when one process alone does long work the"
+        " others wait for (tokenising a large dataset, writing a large checkpoint). 1800: the HF Trainer's default.",
+        1800.0,
+    )
+
+
+@dataclass(frozen=True)
 class Recipe:
     model: ModelConfig = doc("The causal LM and its tokenizer.")
     data: DataConfig = doc("Where the examples come from and how they become tokens.", factory=DataConfig)
@@ -368,6 +378,7 @@ class Recipe:
         "Preference tuning settings (training.objective dpo / orpo / simpo).", factory=PreferenceConfig
     )
     grpo: GRPOConfig = doc("Online RL settings (training.objective grpo).", factory=GRPOConfig)
+    distributed: DistributedConfig = doc("Several processes (launched by accelerate).", factory=DistributedConfig)
 
     def __post_init__(self) -> None:
         # As a shell would: left alone, `~/runs/x` made a folder named `~` in the working directory.
@@ -695,6 +706,7 @@ def _check_values(r: Recipe) -> list[tuple[str, str]]:
     need(r.data.max_length > 0, "data.max_length", "must be positive")
     need(0.0 <= r.data.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
     need(t.global_batch_size > 0, "training.global_batch_size", "must be positive")
+    need(0 < r.distributed.timeout < math.inf, "distributed.timeout", "must be a positive number of seconds")
     need(t.max_steps > 0, "training.max_steps", "must be positive")
     need(t.learning_rate > 0, "training.learning_rate", "must be positive")
     # A warmup longer than the run is allowed (smoke runs: max_steps=1): the rate never reaches its peak.
