@@ -19,7 +19,7 @@ from llmtune.data.render import IGNORE, render_messages
 from llmtune.generate import stop_ids
 from tests.real_tokenizers import CHATS, END_OF_TURN, TEMPLATES, TOOL_CHATS, TOOLS, real_tokenizer
 
-pytestmark = pytest.mark.slow  # the first run builds the tokenizers (~2 min); later runs load them
+pytestmark = [pytest.mark.slow, pytest.mark.real]  # the first run builds the tokenizers (~2 min); later, loads
 
 PLAIN = ("system", "no_system", "echo", "short", "whitespace")
 _loaded: dict[str, object] = {}

@@ -19,7 +19,7 @@ from tests.real_tokenizers import (
 )
 from tests.real_tokenizers import reference_tokenisations as reference
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real]
 
 # Ids in the models' published tokenizers (what the vocab files above give; a stand-in has no real ids to check).
 REAL_IDS = {
