@@ -14,6 +14,8 @@ Run them from the repository root, as modules (the package is found from there; 
     grpo_vs_trl GRPO's loss, gradients, KL and clipping beside TRL's on the same completions
     scale_out   per-process peaks of 2-process runs under each engine against `llmtune estimate`
     vs_hf       llmtune against the HF Trainer on the same work
+    faults      signals, a full disk, two launches, partial copies, changed resumes and bad inputs injected into
+                real runs: what each leaves on disk, and whether the next run resumes the newest sound checkpoint
     gpu_check   what llmtune promises, measured on a GPU in one command
     gpu_report  the GPU check's markdown report (imported by gpu_check, not run)
 

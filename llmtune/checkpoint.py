@@ -27,6 +27,9 @@ import logging
 import os
 import re
 import shutil
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +38,7 @@ import yaml
 from accelerate import Accelerator
 
 from llmtune import parallel
-from llmtune.errors import UserError
+from llmtune.errors import RunFailed, UserError
 from llmtune.files import replace_dir
 from llmtune.recipe import Recipe, flatten
 
@@ -52,6 +55,37 @@ CONTINUITY_KEYS = ("model", "data", "seed", "peft", "training.global_batch_size"
 
 class ResumeError(UserError, RuntimeError):
     """The recipe asks to resume what cannot be resumed (not a checkpoint, or a different run)."""
+
+
+class SaveError(RunFailed, RuntimeError):
+    """A checkpoint or final/ could not be written (a full disk, a quota): the run stops, the last whole one kept."""
+
+
+def write_failure(err: BaseException) -> bool:
+    """Whether `err` is a failed write (a full disk, a quota, a file size limit): an OSError, or the same reported by
+    safetensors' writer or torch's zip writer, which raise types of their own."""
+    text = str(err)
+    return isinstance(err, OSError) or any(s in text for s in ("I/O error", "failed writing file", "file write failed"))
+
+
+@contextmanager
+def writing(accelerator: Accelerator, tmp: Path, what: str, output_dir: str | Path) -> Iterator[None]:
+    """Around the write of `tmp`: a failed write stops the run in one line naming what is kept, the half-written
+    folder removed (it only takes space; it was never in place)."""
+    try:
+        yield
+    except Exception as err:
+        if not write_failure(err):
+            raise
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        why = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0][:200]
+        kept = complete_checkpoints(output_dir)
+        newest = f"the last whole checkpoint, {kept[-1]}, is kept" if kept else "there is no earlier checkpoint"
+        raise SaveError(
+            f"could not write {what} ({why}); {newest}. Free space, then run the same command with"
+            " checkpoint.resume=auto"
+        ) from None
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:
@@ -79,14 +113,16 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
 
 
 def write_manifest(folder: Path) -> None:
-    """List every file of `folder` with its size in MANIFEST_FILE, atomically: its presence says the rest is whole."""
+    """List every file of `folder` with its size in MANIFEST_FILE, atomically: its presence says the rest is whole.
+    It also names its writer (uid and host): a resume of another user's checkpoint must be asked for (`foreign`)."""
     files = {
         str(p.relative_to(folder)): p.stat().st_size
         for p in sorted(folder.rglob("*"))
         if p.is_file() and p.name != MANIFEST_FILE
     }
+    writer = {"uid": os.getuid(), "host": socket.gethostname()}
     tmp = folder / f".{MANIFEST_FILE}.tmp"
-    tmp.write_text(json.dumps({"files": files}, indent=1) + "\n")
+    tmp.write_text(json.dumps({"writer": writer, "files": files}, indent=1) + "\n")
     os.replace(tmp, folder / MANIFEST_FILE)
 
 
@@ -105,6 +141,20 @@ def unsound(path: Path) -> str | None:
         if file.stat().st_size != size:
             return f"{name} has {file.stat().st_size} bytes, the manifest says {size}"
     return None
+
+
+def foreign(path: Path) -> str | None:
+    """Who other than this user wrote the checkpoint at `path` (in words), or None: the writer its manifest names, or
+    the owner of any of its files (a checkpoint from before writers were recorded, or one another user put here)."""
+    me = os.getuid()
+    try:
+        writer = json.loads((path / MANIFEST_FILE).read_text()).get("writer", {})
+    except (OSError, ValueError, AttributeError):
+        writer = {}
+    if isinstance(writer, dict) and writer.get("uid", me) != me:
+        return f"uid {writer.get('uid')} on host {writer.get('host')}, by its manifest"
+    owners = {p.stat().st_uid for p in [path, *path.rglob("*")]} - {me}
+    return f"uid {min(owners)}, who owns its files" if owners else None
 
 
 def written(path: Path) -> tuple[int, int]:
@@ -149,13 +199,13 @@ def resolve_resume(output_dir: str | Path, resume: str) -> Path | None:
     return path
 
 
-def agreed_resume_point(accelerator: Accelerator, r: Recipe) -> Path | None:
+def agreed_resume_point(accelerator: Accelerator, r: Recipe, engine: parallel.Engine) -> Path | None:
     """`resume_point` decided by the main process, its answer (or refusal) shared: every process must load the same
     checkpoint, and only one should log what it skipped."""
 
     def decide() -> tuple[Path | None, str | None]:
         try:
-            return resume_point(r), None
+            return resume_point(r, engine, accelerator.num_processes), None
         except ResumeError as err:
             return None, str(err)
 
@@ -165,8 +215,9 @@ def agreed_resume_point(accelerator: Accelerator, r: Recipe) -> Path | None:
     return path
 
 
-def resume_point(r: Recipe) -> Path | None:
-    """The checkpoint this run continues, or None; refuses a resume that would be a different run.
+def resume_point(r: Recipe, engine: parallel.Engine = "ddp", processes: int = 1) -> Path | None:
+    """The checkpoint this run continues, or None; refuses a resume that would be a different run, or that this launch
+    (`engine`, `processes`) cannot load.
 
     Called before anything heavy loads, so a refusal costs nothing.
     """
@@ -180,16 +231,69 @@ def resume_point(r: Recipe) -> Path | None:
                 " overwrite=true)"
             )
         return None
+    writer = foreign(path)
+    if writer is not None and not r.checkpoint.trust:
+        raise ResumeError(
+            f"cannot resume from {path}: it was written by {writer}, not by this user (uid {os.getuid()}), and a"
+            " resume unpickles some of its files, which can run code; set checkpoint.trust=true if you trust its"
+            f" writer, or start over: {START_OVER}"
+        )
     breaking, harmless = continuity_problems(saved_recipe(path), r.to_dict())
     if breaking:
+        changes = "; ".join(breaking)
         raise ResumeError(
-            f"cannot resume from {path}: the recipe changed in ways that make it a different run:\n  "
-            + "\n  ".join(breaking)
-            + "\nStart a new output_dir, or set checkpoint.resume=none to start over here."
+            f"cannot resume from {path}: the recipe changed in ways that make it a different run ({changes}); use"
+            f" another output_dir, or start over in this one: {START_OVER}"
         )
+    launch_problem = launch_refusal(path, engine, processes)
+    if launch_problem is not None:
+        raise ResumeError(launch_problem)
     for change in harmless:
-        log.info("resume: recipe changed %s", change)
+        log.info("resume: recipe changed %s%s", change, " (applied: the run is planned again)" * replans(change))
     return path
+
+
+# A new run in an output_dir that holds checkpoints: the command that does it (resume_point refuses resume=none alone).
+START_OVER = "checkpoint.resume=none overwrite=true (the new run replaces checkpoints and final/ as it writes its own)"
+# Recipe keys that only change how the global batch is split or recomputed: a resume plans them again
+# (`llmtune.train.resumed_plan`), the global batch kept.
+REPLANNED_KEYS = ("training.micro_batch_size", "training.gradient_checkpointing", "memory.budget")
+
+
+def replans(change: str) -> bool:
+    return any(change.startswith(key + ":") or change.startswith(key + ".") for key in REPLANNED_KEYS)
+
+
+def saved_launch(path: Path) -> tuple[str, int]:
+    """(engine, processes) that wrote the checkpoint. Checkpoints from before engines were recorded: FSDP2's have
+    `sharded/`, DeepSpeed's its per-process `*zero_pp_rank_*` files (the stage is not told apart: both shard)."""
+    state = saved_state(path)
+    processes = int(state.get("plan", {}).get("num_processes", 1))
+    if "engine" in state:
+        return state["engine"], processes
+    if (path / parallel.DCP_DIR).is_dir():
+        return "fsdp2", processes
+    if next(path.rglob("*zero_pp_rank_*"), None) is not None:
+        return "zero", processes
+    return "ddp", processes
+
+
+def launch_refusal(path: Path, engine: parallel.Engine, processes: int) -> str | None:
+    """Why this launch cannot load the checkpoint, in one line, or None. DDP's (and one process's) state is whole in
+    every process and resumes under any process count, the global batch kept; a sharded state (FSDP2, ZeRO) holds
+    one part per process of the launch that wrote it, and no engine reads another's files."""
+    saved_engine, saved_processes = saved_launch(path)
+    sharded = saved_engine != "ddp"
+    same_engine = saved_engine == engine or (saved_engine == "zero" and engine in ("zero2", "zero3"))
+    if same_engine and (not sharded or saved_processes == processes):
+        return None
+    wrote = f"{saved_engine} over {saved_processes} process{'es' * (saved_processes > 1)}"
+    this = f"{engine} over {processes} process{'es' * (processes > 1)}"
+    how = f"launch it as it was written ({wrote})" if sharded else "launch it under DDP (any number of processes)"
+    return (
+        f"cannot resume from {path}: it was written by {wrote} and this launch is {this}; {how}, or use another"
+        f" output_dir, or start over in this one: {START_OVER}"
+    )
 
 
 def _publish(accelerator: Accelerator, tmp: Path, final: Path) -> None:
@@ -227,16 +331,17 @@ def save_checkpoint(
     root = checkpoints_root(output_dir)
     name = f"step-{step:06d}"
     tmp = _fresh_tmp(accelerator, root, name)
-    parallel.save_state(accelerator, tmp, engine, model, optimizer, peft=trainable_only)
-    if accelerator.is_main_process:
-        serial = 1 + max((written(p)[0] for p in checkpoint_folders(output_dir)), default=0)
-        (tmp / STATE_FILE).write_text(json.dumps({**state, "serial": serial}, indent=2))
-        (tmp / "recipe.yaml").write_text(recipe_yaml)
-    accelerator.wait_for_everyone()  # every process's files (RNG states, shards) are written: list them
-    if accelerator.is_main_process:
-        write_manifest(tmp)
     final = root / name
-    _publish(accelerator, tmp, final)
+    with writing(accelerator, tmp, f"checkpoint {final}", output_dir):
+        parallel.save_state(accelerator, tmp, engine, model, optimizer, peft=trainable_only)
+        if accelerator.is_main_process:
+            serial = 1 + max((written(p)[0] for p in checkpoint_folders(output_dir)), default=0)
+            (tmp / STATE_FILE).write_text(json.dumps({**state, "serial": serial}, indent=2))
+            (tmp / "recipe.yaml").write_text(recipe_yaml)
+        accelerator.wait_for_everyone()  # every process's files (RNG states, shards) are written: list them
+        if accelerator.is_main_process:
+            write_manifest(tmp)
+    _publish(accelerator, tmp, final)  # renames only, outside `writing`: a failure there must not remove tmp
     if accelerator.is_main_process:
         ours = {*state["lineage"], name}
         for old in [p for p in complete_checkpoints(output_dir) if p.name in ours][:-keep_last]:
@@ -320,23 +425,26 @@ def save_final(
     """
     out = Path(output_dir)
     tmp = _fresh_tmp(accelerator, out, "final")
-    # Gathers full weights from FSDP2 / ZeRO-3 shards; every process must take part.
-    state_dict = parallel.full_state_dict(accelerator, engine, model, trainable_only=adapters_only and not save_base)
-    if accelerator.is_main_process:
-        inner = accelerator.unwrap_model(model).model
-        weights = _strip_prefix(state_dict, "model.")
-        # peft would also save the frozen base weight of an adapted lm_head or embedding ("auto": in case the
-        # vocabulary was resized, which llmtune never does): V x h of what the base checkpoint already holds, and
-        # only on the engines that gather the whole state dict.
-        inner.save_pretrained(tmp, state_dict=weights, **({"save_embedding_layers": False} if adapters_only else {}))
-        tokenizer.save_pretrained(tmp)
-        (tmp / PROMPT_LAYOUT_FILE).write_text(json.dumps({"layout": prompt_layout}) + "\n")
-        if save_base:
-            from llmtune.merge import BASE_DIR, save_base_weights
-
-            save_base_weights(inner, tmp / BASE_DIR, weights)
-            _name_base(tmp, (out / "final" / BASE_DIR).resolve())
     final = out / "final"
+    with writing(accelerator, tmp, str(final), output_dir):
+        # Gathers full weights from FSDP2 / ZeRO-3 shards; every process must take part.
+        adapters = adapters_only and not save_base
+        state_dict = parallel.full_state_dict(accelerator, engine, model, trainable_only=adapters)
+        if accelerator.is_main_process:
+            inner = accelerator.unwrap_model(model).model
+            weights = _strip_prefix(state_dict, "model.")
+            # peft would also save the frozen base weight of an adapted lm_head or embedding ("auto": in case the
+            # vocabulary was resized, which llmtune never does): V x h of what the base checkpoint already holds,
+            # and only on the engines that gather the whole state dict.
+            extra = {"save_embedding_layers": False} if adapters_only else {}
+            inner.save_pretrained(tmp, state_dict=weights, **extra)
+            tokenizer.save_pretrained(tmp)
+            (tmp / PROMPT_LAYOUT_FILE).write_text(json.dumps({"layout": prompt_layout}) + "\n")
+            if save_base:
+                from llmtune.merge import BASE_DIR, save_base_weights
+
+                save_base_weights(inner, tmp / BASE_DIR, weights)
+                _name_base(tmp, (out / "final" / BASE_DIR).resolve())
     _publish(accelerator, tmp, final)
     return final
 

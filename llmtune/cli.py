@@ -66,8 +66,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from llmtune.recipe import load_recipe
     from llmtune.train import train
 
-    summary = train(load_recipe(args.recipe, args.overrides))
-    end_process_group()
+    try:
+        summary = train(load_recipe(args.recipe, args.overrides))
+    finally:
+        # Also after a refusal or a failure: torch asks for the group to be ended before exit (a refused 2-process
+        # ZeRO-2 resume once exited -6, SIGABRT, instead of 2 without it; not reproduced since).
+        end_process_group()
     return EXIT_PREEMPTED if "preempted_at_step" in summary else 0
 
 

@@ -6,6 +6,11 @@ bytecodes, which a process blocked in a collective never returns to (a peer that
 the signal and hold its devices until SIGKILL. So the signal also wakes a thread (through the interpreter's wakeup
 fd, written by the C-level handler even then), and a process that has not reached a boundary `grace_s` later exits
 with EXIT_PREEMPTED without saving: the last checkpoint stays, and `checkpoint.resume: auto` continues from it.
+
+A save in progress (`Preemption.saving`: a checkpoint, or the final model) is never cut by that exit: the first
+checkpoint of a large model may take longer than any step, and cutting it loses it. The watchdog waits for the save
+to end, then gives the loop a fresh grace to reach its boundary. A save stuck in a collective because a peer died
+ends at `distributed.timeout` (the process group's own limit) instead.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,7 +46,10 @@ class Preemption:
     def __init__(self, grace_s: float | None = None) -> None:
         self.requested = False
         self.grace_s = SIGNAL_GRACE_S if grace_s is None else grace_s
+        self.then = "saving a checkpoint at the end of this step"  # what a signal leads to, logged when one comes
         self._reached = threading.Event()  # the loop reached its boundary after the signal: it saves and stops
+        self._saves = 0  # saves in progress (`saving`), guarded by `_changed`
+        self._changed = threading.Condition()
 
     def __enter__(self) -> Preemption:
         self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
@@ -55,6 +65,8 @@ class Preemption:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._reached.set()
+        with self._changed:
+            self._changed.notify_all()
         self._woken.shutdown(socket.SHUT_RDWR)  # wakes the watcher's recv, which then returns
         self._woken.close()
         self._notify.close()
@@ -69,10 +81,22 @@ class Preemption:
         if self.requested:
             self._reached.set()
 
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around a save: the watchdog does not exit while it runs (module docstring)."""
+        with self._changed:
+            self._saves += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._saves -= 1
+                self._changed.notify_all()
+
     def _handle(self, signum: int, frame: object) -> None:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        log.warning("received %s: saving a checkpoint at the end of this step", signal.Signals(signum).name)
+        log.warning("received %s: %s", signal.Signals(signum).name, self.then)
         self.requested = True
 
     def _watch(self) -> None:
@@ -86,7 +110,7 @@ class Preemption:
                 return
             if ours & set(received):
                 break
-        if self._reached.wait(self.grace_s):
+        if self._boundary_in_time():
             return
         log.error(
             "no step boundary %.0f s after the signal (waiting on another process?): exiting without a checkpoint;"
@@ -96,3 +120,14 @@ class Preemption:
         )
         logging.shutdown()
         os._exit(EXIT_PREEMPTED)  # not an exception: the main thread is blocked where it cannot see one
+
+    def _boundary_in_time(self) -> bool:
+        """Whether the loop reaches its boundary (or leaves the block) within the grace; a grace that runs out while a
+        save is in progress waits for the save, then starts again."""
+        while not self._reached.wait(self.grace_s):
+            with self._changed:
+                if not self._saves:
+                    return False
+                log.warning("a save is in progress %.0f s after the signal: waiting for it to finish", self.grace_s)
+                self._changed.wait_for(lambda: not self._saves or self._reached.is_set())
+        return True

@@ -227,6 +227,12 @@ class CheckpointConfig:
     resume: str = doc(
         "`auto` (the newest written complete checkpoint in output_dir), `none`, or a checkpoint path.", "auto"
     )
+    trust: bool = doc(
+        "Resume a checkpoint that another user wrote (its manifest names another uid, or its files are another"
+        " user's). A resume unpickles some of its files (docs/training.md, which files are code), so it is refused"
+        " unless this is true.",
+        False,
+    )
 
 
 @dataclass(frozen=True)

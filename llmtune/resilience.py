@@ -10,16 +10,19 @@ import json
 import logging
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
 import torch
+from accelerate import Accelerator
 
 from llmtune.errors import EXIT_FAILED, EXIT_PREEMPTED
 from llmtune.memory import BatchPlan
 from llmtune.parallel import decided_by_main
 from llmtune.planning import TrainingError, shrink_plan
 from llmtune.run import Run
+from llmtune.rundir import RunLock
 
 log = logging.getLogger(__name__)
 
@@ -63,52 +66,65 @@ def stop_after_out_of_memory(run: Run, where: str, per_process: int) -> NoReturn
     that exited fails at once). `checkpoint.resume: auto` continues from the last checkpoint with the smaller
     micro-batch.
     """
-    plan, process_index = run.plan, run.accelerator.process_index
-    if plan.micro_batch_size == 1:
+    plan = run.plan
+    smaller = None if plan.micro_batch_size == 1 else shrink_plan(plan, per_process).micro_batch_size
+    stop_out_of_memory(run.recipe.output_dir, run.accelerator.process_index, run.lock, where,
+                       "micro_batch_size", plan.micro_batch_size, smaller)  # fmt: skip
+
+
+# What out_of_memory.json can ask the next run for, in words.
+LIMITS = {"micro_batch_size": "micro-batch {}", "generation_rows": "{} generation rows a call"}
+
+
+def stop_out_of_memory(
+    output_dir: str | Path, process_index: int, lock: RunLock, where: str, limit: str, now: int, smaller: int | None
+) -> NoReturn:
+    """`stop_after_out_of_memory` for any batch the plan sets (`limit`, a key of LIMITS, at `now`): record `smaller`
+    in OOM_FILE beside what an earlier stop recorded and exit 75, or exit 1 where nothing is left to shrink (None)."""
+    what = LIMITS[limit].format
+    if smaller is None:
         log.error(
-            "process %d: out of memory in the %s at micro-batch 1; nothing left to shrink (see `llmtune estimate`)",
-            process_index,
-            where,
-        )
-        run.lock.release()
+            "process %d: out of memory in the %s at %s; nothing left to shrink (see `llmtune estimate`)",
+            process_index, where, what(now),
+        )  # fmt: skip
+        lock.release()
         logging.shutdown()
         os._exit(EXIT_FAILED)
-    smaller = shrink_plan(plan, per_process)
-    path = Path(run.recipe.output_dir) / OOM_FILE
+    path = Path(output_dir) / OOM_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
+    limits = json.loads(path.read_text()) if path.is_file() else {}
     # Every process that ran out of memory writes it (the same plan shrinks the same way): each under its own name,
     # then renamed, so a reader never sees half a file.
     tmp = path.with_name(f".{OOM_FILE}.{process_index}")
-    tmp.write_text(json.dumps({"micro_batch_size": smaller.micro_batch_size, "where": where}) + "\n")
+    tmp.write_text(json.dumps({**limits, limit: smaller, "where": where}) + "\n")
     os.replace(tmp, path)
     log.error(
-        "process %d: out of memory in the %s at micro-batch %d; stopping all processes (exit %d). Run the same"
-        " command with checkpoint.resume=auto: it continues from the last checkpoint with micro-batch %d.",
-        process_index,
-        where,
-        plan.micro_batch_size,
-        EXIT_PREEMPTED,
-        smaller.micro_batch_size,
-    )
-    run.lock.release()  # no `finally` runs after os._exit: the same command must find the folder free
+        "process %d: out of memory in the %s at %s; stopping all processes (exit %d). Run the same"
+        " command with checkpoint.resume=auto: it continues from the last checkpoint with %s.",
+        process_index, where, what(now), EXIT_PREEMPTED, what(smaller),
+    )  # fmt: skip
+    lock.release()  # no `finally` runs after os._exit: the same command must find the folder free
     logging.shutdown()
     os._exit(EXIT_PREEMPTED)  # not an exception: unwinding could wait on the peers' collectives
 
 
-def plan_after_out_of_memory(run: Run) -> BatchPlan:
-    """The run's plan, shrunk to the micro-batch an earlier out-of-memory stop asked for (stop_after_out_of_memory)."""
-    path = Path(run.recipe.output_dir) / OOM_FILE
+def plan_after_out_of_memory(output_dir: str | Path, accelerator: Accelerator, plan: BatchPlan) -> BatchPlan:
+    """`plan`, shrunk to the micro-batch and generation rows an earlier out-of-memory stop asked for (OOM_FILE)."""
+    path = Path(output_dir) / OOM_FILE
 
-    def limit() -> int | None:
-        return json.loads(path.read_text())["micro_batch_size"] if path.is_file() else None
+    def limits() -> dict[str, int]:
+        return json.loads(path.read_text()) if path.is_file() else {}
 
     # One process's disk decides (another node's may not show the file yet): all must train the same micro-batch.
-    at_most = decided_by_main(run.accelerator, limit)
-    plan = run.plan
-    if at_most is None or at_most >= plan.micro_batch_size:
-        return plan
-    plan = shrink_plan(plan, plan.micro_batch_size * plan.grad_accum_steps, at_most=at_most)
-    log.info("an earlier run stopped out of memory: micro-batch %d", plan.micro_batch_size)
+    asked = decided_by_main(accelerator, limits)
+    at_most = asked.get("micro_batch_size")
+    if at_most is not None and at_most < plan.micro_batch_size:
+        plan = shrink_plan(plan, plan.micro_batch_size * plan.grad_accum_steps, at_most=at_most)
+        log.info("an earlier run stopped out of memory: micro-batch %d", plan.micro_batch_size)
+    rows = asked.get("generation_rows")
+    if rows is not None and (plan.generation_rows == 0 or rows < plan.generation_rows):
+        plan = replace(plan, generation_rows=rows)
+        log.info("an earlier run stopped out of memory generating: %d rows a call", rows)
     return plan
 
 

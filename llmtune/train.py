@@ -32,12 +32,13 @@ from llmtune.objectives import AttachContext, Objective, objective_for, trained_
 from llmtune.parallelize import parallelize
 from llmtune.planning import PlanError, TrainingError, plan_run, shrink_plan
 from llmtune.preemption import Preemption
-from llmtune.recipe import Recipe, dump_recipe
+from llmtune.recipe import Recipe, dump_recipe, flatten
 from llmtune.resilience import (
     OOM_FILE,
     NonFiniteGuard,
     plan_after_out_of_memory,
     stop_after_out_of_memory,
+    stop_out_of_memory,
 )
 from llmtune.run import Run, StepResult
 from llmtune.schedule import lr_factor, set_learning_rate
@@ -60,14 +61,13 @@ def build(recipe: Recipe) -> Run:
     accelerator, precision, precision_why = make_accelerator(recipe, engine, objective)
     engine = parallel.engine_in_use(engine)
     # Before anything heavy loads: a refusal costs nothing.
-    resume_from = checkpoint.agreed_resume_point(accelerator, recipe)
+    resume_from = checkpoint.agreed_resume_point(accelerator, recipe, engine)
     lock = rundir.claim(accelerator, recipe.output_dir, resuming=resume_from is not None, overwrite=recipe.overwrite)
     try:
-        run = assemble(recipe, objective, engine, accelerator, precision, precision_why, resume_from)
+        run = assemble(recipe, objective, engine, accelerator, precision, precision_why, resume_from, lock)
     except BaseException:
         lock.release()
         raise
-    run.lock = lock  # released when `fit` ends, however it ends
     return run
 
 
@@ -79,18 +79,21 @@ def assemble(
     precision: str,
     precision_why: str,
     resume_from: Path | None,
+    lock: rundir.RunLock,
 ) -> Run:
-    """Tokenizer and data -> memory plan -> model -> `parallelize` -> the objective's pre-training pass -> resume."""
+    """Tokenizer and data -> memory plan -> model -> `parallelize` -> the objective's pre-training pass -> resume.
+    `lock`: the output_dir's, the Run's to release when `fit` ends, however it ends."""
     set_seed(recipe.seed)
     tokenizer = load_tokenizer(recipe.model)
     data = prepare_data(recipe.data, tokenizer, seed=recipe.seed, main_process_first=accelerator.main_process_first)
     enough_rows(len(data.train), objective.draw(0, recipe.training.global_batch_size)[1])
     config = load_config(recipe.model)
     loss_impl = resolve_loss_impl(recipe.training.loss, config)
-    if resume_from is not None:  # the plan the run started with: same micro-batch, same checkpointing
-        plan = BatchPlan.from_state(checkpoint.saved_state(resume_from)["plan"])
-    else:
+    plan = resumed_plan(recipe, accelerator, resume_from)
+    if plan is None:
         plan = plan_run(recipe, config, precision, accelerator, engine, data.stats.max_trained_fraction)
+    # Before the objective's pre-training pass: DPO's reference runs at the plan's micro-batch.
+    plan = plan_after_out_of_memory(recipe.output_dir, accelerator, plan)
     model = load_model(recipe, precision, config, accelerator.device)
     parts = parallelize(
         model, recipe, objective, plan, loss_impl=loss_impl, engine=engine, precision=precision, accelerator=accelerator
@@ -99,7 +102,12 @@ def assemble(
     context = AttachContext(
         recipe, accelerator, precision, loss_impl, tokenizer.pad_token_id, plan, tokenizer, engine, parts.optimizer
     )
-    data = objective.attach(parts.module, data, context)
+    try:
+        data = objective.attach(parts.module, data, context)
+    except torch.OutOfMemoryError:  # DPO's reference log-probs, computed at the plan's micro-batch
+        smaller = None if plan.micro_batch_size == 1 else shrink_plan(plan, plan.micro_batch_size).micro_batch_size
+        stop_out_of_memory(recipe.output_dir, accelerator.process_index, lock, "reference log-probs",
+                           "micro_batch_size", plan.micro_batch_size, smaller)  # fmt: skip
     if recipe.peft.method != "none":
         checkpoint.save_trainable_only(accelerator)
     peak, peak_source = peak_flops(accelerator.device, precision)
@@ -119,12 +127,42 @@ def assemble(
         peak_flops=peak,
         peak_flops_source=peak_source,
         num_layers=int(config.get_text_config().num_hidden_layers),
+        lock=lock,
     )
     if resume_from is not None:
         resume(run, resume_from)
-    run.plan = plan_after_out_of_memory(run)
     log_setup(run, *parts.parameters)
     return run
+
+
+def resumed_plan(recipe: Recipe, accelerator: Accelerator, resume_from: Path | None) -> BatchPlan | None:
+    """The plan a resumed run started with (same micro-batch, same checkpointing: the same run), or None where the run
+    is planned again: a fresh run, another process count (the global batch is kept, the accumulation derived again), or
+    a recipe that changed the micro-batch, the checkpointing or the memory budget (`checkpoint.REPLANNED_KEYS`)."""
+    if resume_from is None:
+        return None
+    saved = BatchPlan.from_state(checkpoint.saved_state(resume_from)["plan"])
+    before, now = flatten(checkpoint.saved_recipe(resume_from)), flatten(recipe.to_dict())
+
+    def under(flat: dict[str, Any], key: str) -> dict[str, Any]:  # a key and its sub-keys ({every_n_layers: k})
+        return {k: v for k, v in flat.items() if k == key or k.startswith(key + ".")}
+
+    changed = [k for k in checkpoint.REPLANNED_KEYS if under(before, k) != under(now, k)]
+    if saved.num_processes == accelerator.num_processes and not changed:
+        return saved
+    why = changed + [f"{saved.num_processes} -> {accelerator.num_processes} processes"] * (
+        saved.num_processes != accelerator.num_processes
+    )
+    log.info(
+        "resume: planned again (%s); the global batch %d is kept (the checkpoint's split: micro %d x accumulation %d"
+        " x processes %d)",
+        ", ".join(why),
+        recipe.training.global_batch_size,
+        saved.micro_batch_size,
+        saved.grad_accum_steps,
+        saved.num_processes,
+    )
+    return None
 
 
 def enough_rows(rows: int, per_step: int) -> None:
@@ -196,7 +234,11 @@ def loop(run: Run) -> dict[str, Any]:
                 metrics.close()
                 return {"preempted_at_step": step}
             preemption.grace_s = max(preemption.grace_s, 3 * (time.perf_counter() - t0))
-    final = save_final(run)
+        # Under the handler: a signal now lets the final model be written whole (the run is done: exit 0), where the
+        # default action cut the write and, without checkpoints, lost the whole run.
+        preemption.then = "finishing the final save (the run is done), then exiting"
+        with preemption.saving():
+            final = save_final(run, step)
     summary = run_summary(run, metrics, measured.peaks, time.perf_counter() - started, step, eval_loss, final)
     metrics.close(summary)
     return summary
@@ -216,7 +258,12 @@ def draw_examples(run: Run, step: int) -> list[dict]:
         world_size=acc.num_processes,
         group_by_length=r.data.group_by_length,
     )
-    return run.objective.rollout(examples, step)
+    try:
+        return run.objective.rollout(examples, step)
+    except torch.OutOfMemoryError:  # grpo's generation: fewer rows a call
+        rows = run.plan.generation_rows or len(examples) * r.grpo.num_generations
+        smaller = rows // 2 or None
+        stop_out_of_memory(r.output_dir, acc.process_index, run.lock, "generation", "generation_rows", rows, smaller)
 
 
 def evaluation_due(run: Run, step: int) -> bool:
@@ -260,7 +307,12 @@ def save_or_stop(run: Run, step: int, preemption: Preemption, checkpoint_ok: boo
     if stop:
         preemption.boundary()
     if stop or (every and step % every == 0 and checkpoint_ok):
-        save(run, step)
+        with preemption.saving():  # never cut by the signal watchdog, however long the save takes
+            save(run, step)
+        # A signal that came during the save: the checkpoint just written is the one to stop at, not one step later.
+        if not stop and preemption.requested_anywhere(run.accelerator):
+            preemption.boundary()
+            stop = True
     return stop
 
 
@@ -354,7 +406,14 @@ def evaluate(run: Run) -> float:
 
 def save(run: Run, step: int) -> None:
     # lineage: the checkpoints this one descends from, the only ones its pruning may delete (llmtune.checkpoint).
-    state = {"step": step, "counters": run.counters, "plan": run.plan.state(), "lineage": run.lineage}
+    # engine: what a resume must be launched as to read the files (checkpoint.launch_refusal).
+    state = {
+        "step": step,
+        "counters": run.counters,
+        "plan": run.plan.state(),
+        "lineage": run.lineage,
+        "engine": run.engine,
+    }
     checkpoint.save_checkpoint(
         run.accelerator,
         run.recipe.output_dir,
@@ -370,19 +429,32 @@ def save(run: Run, step: int) -> None:
     run.lineage = [*run.lineage, f"step-{step:06d}"]
 
 
-def save_final(run: Run) -> Path:
+def save_final(run: Run, step: int) -> Path:
+    """`final/`; out of memory gathering the whole model there, the run stops in one line (exit 1: a requeue would
+    meet the same gather), its last step checkpointed first where no peer waits in the gather (one process)."""
     r = run.recipe
     adapters = r.peft.method != "none"
-    return checkpoint.save_final(
-        run.accelerator,
-        run.engine,
-        run.model,
-        run.tokenizer,
-        r.output_dir,
-        adapters_only=adapters,
-        save_base=r.model.random_init and adapters,
-        prompt_layout=run.data.prompt_layout,
-    )
+    try:
+        return checkpoint.save_final(
+            run.accelerator,
+            run.engine,
+            run.model,
+            run.tokenizer,
+            r.output_dir,
+            adapters_only=adapters,
+            save_base=r.model.random_init and adapters,
+            prompt_layout=run.data.prompt_layout,
+        )
+    except torch.OutOfMemoryError:
+        kept = checkpoint.complete_checkpoints(r.output_dir)
+        if run.accelerator.num_processes == 1 and not (kept and kept[-1].name == f"step-{step:06d}"):
+            save(run, step)
+            kept = checkpoint.complete_checkpoints(r.output_dir)
+        what = f"the trained state is kept in {kept[-1]}" if kept else "no checkpoint holds the trained state"
+        raise checkpoint.SaveError(
+            f"out of memory gathering the whole model for {Path(r.output_dir) / 'final'}; {what}"
+            " (the same command with checkpoint.resume=auto writes final/ from it, where memory allows)"
+        ) from None
 
 
 def train(recipe: Recipe) -> dict[str, Any]:
