@@ -78,7 +78,7 @@ def fault():
     Path(os.environ["LLMTUNE_FAULT_BEFORE"]).write_text(json.dumps(hashes(os.environ["LLMTUNE_FAULT_RUN"])))
     if action == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
-    elif action in ("sigterm", "slow-sigterm"):
+    elif action in ("sigterm", "slow-sigterm", "sigterm-slow-exit"):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(3 if action == "slow-sigterm" else 0.1)  # the handler runs; slow: the work outlasts the grace
     elif action == "enospc":
@@ -110,6 +110,14 @@ elif phase == "planning":
     wrap(llmtune.train, "plan_run")
 elif phase == "mid-step":
     wrap(llmtune.train, "train_step")
+    if action == "sigterm-slow-exit":  # process 0 takes 2 s to leave the loop: the launcher stops it meanwhile
+        loop = llmtune.train.loop
+        def slow_loop(run):
+            out = loop(run)
+            if os.environ.get("RANK", "0") == "0":
+                time.sleep(2)
+            return out
+        llmtune.train.loop = slow_loop
 elif phase == "mid-save":  # the checkpoint's tensors: the model, then the optimizer (written by save_state)
     wrap(accelerate.Accelerator, "save_state")
 elif phase == "after-save":  # a checkpoint complete, the run still going on
@@ -460,6 +468,13 @@ def no_final_and_checkpoint(step: str | None) -> Callable[[Path, Launch], list[s
 finished_run = Then(want_code=2, named=["finished run"])
 
 
+def stopped_at_4_unlocked(run_dir: Path, launch: Launch) -> list[str]:
+    """`no_final_and_checkpoint("step-000004")`, and the lock released: a lock left on another node's host would
+    refuse the requeued run."""
+    left = ["the lock was left behind"] if (run_dir / ".llmtune.lock").exists() else []
+    return no_final_and_checkpoint("step-000004")(run_dir, launch) + left
+
+
 def final_whole(run_dir: Path, launch: Launch) -> list[str]:
     return [] if whole_final(run_dir) else ["final/ missing or not whole after the fault"]
 
@@ -494,7 +509,10 @@ def training_faults(s: Suite) -> list[Row]:
         ("disk full final save", lambda: f("disk full", "final save", "final-save:enospc", want_code=1,
                                            expect=no_final_and_checkpoint("step-000006"))),
         (f"sigterm {two}", lambda: f("sigterm", two, "mid-step:sigterm:4", want_code=75, processes=2,
-                                     expect=no_final_and_checkpoint("step-000004"))),
+                                     expect=stopped_at_4_unlocked)),
+        (f"sigterm {two}, slow exit", lambda: f("sigterm", f"{two}, process 0 slow to exit",
+                                                "mid-step:sigterm-slow-exit:4", want_code=75, processes=2,
+                                                expect=stopped_at_4_unlocked)),
     ]  # fmt: skip
     return rows
 

@@ -20,7 +20,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -43,8 +43,9 @@ class Preemption:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
-    def __init__(self, grace_s: float | None = None) -> None:
+    def __init__(self, grace_s: float | None = None, release: Callable[[], None] = lambda: None) -> None:
         self.requested = False
+        self.release = release  # what must not outlive the process (the run's lock): called before the watchdog's exit
         self.grace_s = SIGNAL_GRACE_S if grace_s is None else grace_s
         self.then = "saving a checkpoint at the end of this step"  # what a signal leads to, logged when one comes
         self._reached = threading.Event()  # the loop reached its boundary after the signal: it saves and stops
@@ -118,6 +119,7 @@ class Preemption:
             self.grace_s,
             EXIT_PREEMPTED,
         )
+        self.release()
         logging.shutdown()
         os._exit(EXIT_PREEMPTED)  # not an exception: the main thread is blocked where it cannot see one
 

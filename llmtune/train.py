@@ -212,7 +212,7 @@ def loop(run: Run) -> dict[str, Any]:
     # dropout) only in training mode: without this the steps before the first evaluation ran with neither.
     run.model.train()
     # Log lines go through the progress bar's own writer: printed straight to the terminal, they land on the bar's line.
-    with Preemption() as preemption, logging_redirect_tqdm():
+    with Preemption(release=run.lock.release) as preemption, logging_redirect_tqdm():
         while step < r.training.max_steps:
             examples = draw_examples(run, step)
             lr = set_learning_rate(run.optimizer, r, step)
@@ -232,6 +232,9 @@ def loop(run: Run) -> dict[str, Any]:
                 eval_loss = evaluate_and_log(run, metrics, step, len(examples))
             if save_or_stop(run, step, preemption, checkpoint_ok=not guard.in_a_row):
                 metrics.close()
+                # Still under the handler: once one process has exited the launcher SIGTERMs the others, and one that
+                # died holding the lock would leave it to refuse the requeued run (on another host, for good).
+                run.lock.release()
                 return {"preempted_at_step": step}
             preemption.grace_s = max(preemption.grace_s, 3 * (time.perf_counter() - t0))
         # Under the handler: a signal now lets the final model be written whole (the run is done: exit 0), where the

@@ -184,6 +184,7 @@ def test_a_run_stuck_in_a_collective_ends_on_sigterm_keeping_the_last_checkpoint
     err = launcher.stderr.read()
     assert f"exitcode  : {EXIT_PREEMPTED}" in err and "no step boundary 2 s after the signal" in err, err[-3000:]
     assert checkpoint.complete_checkpoints(run)[-1].name == "step-000002"
+    assert not (run / LOCK_FILE).exists()  # released before the watchdog's exit: a requeue elsewhere is not refused
 
 
 def test_a_collective_left_waiting_past_distributed_timeout_fails_the_run(tiny_recipe, tmp_path):

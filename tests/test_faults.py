@@ -8,7 +8,14 @@ import signal
 
 import pytest
 
-from benchmarks.faults import Suite, final_whole, finished_run, no_final_and_checkpoint, two_launches
+from benchmarks.faults import (
+    Suite,
+    final_whole,
+    finished_run,
+    no_final_and_checkpoint,
+    stopped_at_4_unlocked,
+    two_launches,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -63,3 +70,17 @@ def test_sigterm_during_the_final_save_of_a_run_without_checkpoints_writes_final
 def test_a_second_launch_on_a_running_folder_is_refused_and_the_first_runs_checkpoint_resumes(suite):
     row = two_launches(suite)
     assert row.ok and row.exit_code == 2 and row.resumed_from == "step-000002", row.notes
+
+
+def test_a_process_the_launcher_stops_after_its_checkpoint_does_not_leave_the_lock(suite):
+    """2 processes stop on SIGTERM; process 0 is slow to leave (2 s) and the launcher, seeing process 1 exit 75,
+    SIGTERMs it meanwhile: it used to die holding output_dir's lock, which refuses a requeue on another host."""
+    row = suite.train_fault(
+        "sigterm",
+        "mid-step, 2 processes, process 0 slow to exit",
+        "mid-step:sigterm-slow-exit:4",
+        want_code=75,
+        processes=2,
+        expect=stopped_at_4_unlocked,
+    )
+    assert row.ok and row.resumed_from == "step-000004", row.notes
