@@ -126,6 +126,16 @@ elif phase == "final-save":
     wrap(llmtune.checkpoint, "save_final")
 elif phase == "merge":
     wrap(llmtune.merge, "_write_atomically")
+elif phase == "publish-final":  # the first rename that puts a new final/ in the old one's place
+    import llmtune.files
+    if hasattr(llmtune.files, "_exchange"):
+        wrap(llmtune.files, "_exchange", before=False)
+    real_replace = os.replace
+    def replacing(src, dst, *args, **kwargs):
+        real_replace(src, dst, *args, **kwargs)
+        if str(dst).endswith(".final.old"):
+            fault()
+    os.replace = replacing
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -633,6 +643,33 @@ def partly_copied(s: Suite) -> Outcome:
                    not notes, notes, round(time.perf_counter() - started, 1))  # fmt: skip
 
 
+def final_replaced(s: Suite) -> Outcome:
+    """A finished run continued to 8 steps, SIGKILLed at the first rename that puts its new final/ in place of the
+    old one: final/ must name a whole model at that instant (the old one or the new one)."""
+    started = time.perf_counter()
+    name = "sigkill-replacing-final"
+    rec = recipe(s.folder, s.assets, name)
+    run_dir = s.folder / name / "run"
+    first = run(command(s.entry, ["train", "--recipe", str(rec)]), {"LLMTUNE_FAULT": "none:none"})
+    notes = [] if first.code == 0 else [f"the first run failed: {first_error(first.err)}"]
+    env = s.fault_env(name, "publish-final:sigkill", run_dir)
+    launch = run(command(s.entry, ["train", "--recipe", str(rec), "training.max_steps=8"]), env)
+    if launch.code != -signal.SIGKILL:
+        notes.append(f"exit {launch.code}, expected {-signal.SIGKILL}")
+    if not whole_final(run_dir):
+        notes.append("no whole final/ after the kill (lost: the old one is aside, the new one in a temporary)")
+    after, expected = s.next_run(name, rec, Then(overrides=["training.max_steps=8"]))
+    got = resumed_from(after.err)
+    if got != expected:
+        notes.append(f"resumed {got}, the newest sound checkpoint is {expected}")
+    finished = after.code == 0 and whole_final(run_dir)
+    if not finished:
+        notes.append(f"the next run did not finish: {first_error(after.err)}")
+    survived = not any(n.startswith("no whole") for n in notes)
+    return Outcome("sigkill", "final save, replacing an older final/", launch.code, first_error(launch.err), survived,
+                   got, expected, finished, not notes, notes, round(time.perf_counter() - started, 1))  # fmt: skip
+
+
 def merge_faults(s: Suite) -> list[Row]:
     return [(f"{action} merge", lambda a=action, c=code: merge_fault(s, a, c))
             for action, code in (("sigkill", -signal.SIGKILL), ("sigterm", -signal.SIGTERM))]  # fmt: skip
@@ -705,7 +742,8 @@ def all_faults(s: Suite, only: str | None, jobs: int) -> list[Outcome]:
     """Every row (those whose label contains `only`), `jobs` one-process rows at a time, then the others one by one;
     reported in the order listed."""
     rows = [*training_faults(s), ("two launches", lambda: two_launches(s))]
-    rows += [("partly copied checkpoint", lambda: partly_copied(s)), *resume_faults(s), *merge_faults(s)]
+    rows += [("partly copied checkpoint", lambda: partly_copied(s)), ("replacing final", lambda: final_replaced(s))]
+    rows += [*resume_faults(s), *merge_faults(s)]
     rows += bad_inputs(s)
     rows = [(label, thunk) for label, thunk in rows if only is None or only in label]
     alone = [any(a in label for a in ALONE) for label, _ in rows]

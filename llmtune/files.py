@@ -5,20 +5,41 @@ Shared by checkpoints and merged models; its own module so that neither imports 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import sys
 from pathlib import Path
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
-    """Put the complete folder `tmp` in place of `final`; an older `final` goes only once `tmp` is there."""
+    """Put the complete folder `tmp` in place of `final`; an older `final` goes only once `tmp` is there.
+
+    Linux swaps the two in one step (renameat2's RENAME_EXCHANGE): `final` names a whole folder at every instant. The
+    fallback moves the older one aside first: a process killed between the two renames leaves no `final` (the old
+    one in `.NAME.old`, the new one whole in `tmp`)."""
     fsync_tree(tmp)
+    if final.exists() and _exchange(tmp, final):
+        shutil.rmtree(tmp, ignore_errors=True)  # now the older folder
+        return
     old = final.with_name(f".{final.name}.old")
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where the system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)  # glibc >= 2.28
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 def fsync_tree(path: Path) -> None:

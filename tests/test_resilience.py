@@ -337,3 +337,38 @@ def test_fp16_overflows_while_the_scaler_finds_its_level_do_not_stop_a_run(tiny_
     overflow_in_steps(run, {0, 1, 2, 3})  # 4 in a row, more than max_nonfinite_steps, all at scales above 1
     summary = fit(run)
     assert summary["skipped_steps"] == 4 and scaler.get_scale() == 2.0**12
+
+
+# Replaces DST by SRC with llmtune.files.replace_dir and is SIGKILLed right after its first rename (the atomic swap,
+# or the fallback's move of the old folder aside).
+KILLED_WHILE_REPLACING = """
+import os, signal, sys
+from pathlib import Path
+import llmtune.files as files
+
+def killed_after(real):
+    def wrapped(*args):
+        result = real(*args)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return result
+    return wrapped
+
+os.replace = killed_after(os.replace)
+if hasattr(files, "_exchange"):
+    files._exchange = killed_after(files._exchange)
+files.replace_dir(Path(sys.argv[1]), Path(sys.argv[2]))
+"""
+
+
+def test_a_process_killed_while_replacing_final_leaves_a_whole_final(tmp_path):
+    """final/ names a whole folder at every instant: the fallback's two renames left none between them (the old one
+    in .final.old, the new one in .final.tmp), so a run killed there lost its final/ until someone looked."""
+    final, tmp = tmp_path / "final", tmp_path / ".final.tmp"
+    for folder, text in ((final, "old"), (tmp, "new")):
+        folder.mkdir()
+        (folder / "model.safetensors").write_text(text)
+    script = tmp_path / "replace.py"
+    script.write_text(KILLED_WHILE_REPLACING)
+    done = subprocess.run([sys.executable, str(script), str(tmp), str(final)], capture_output=True, timeout=60)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert (final / "model.safetensors").read_text() in ("old", "new")
