@@ -56,6 +56,13 @@ class ModelConfig:
         False,
     )
 
+    def __post_init__(self) -> None:
+        # As a shell would: transformers takes `~/models/x` for a hub id and fails; a hub id never starts with `~`.
+        for key in ("name_or_path", "tokenizer"):
+            value = getattr(self, key)
+            if isinstance(value, str) and value.startswith("~"):
+                object.__setattr__(self, key, os.path.expanduser(value))
+
 
 @dataclass(frozen=True)
 class SourceConfig:

@@ -70,6 +70,7 @@ def trained(tmp_path_factory) -> Trained:
 
 
 @pytest.mark.slow
+@pytest.mark.real
 def test_base_eval_loss_equals_transformers_own(trained):
     """llmtune evaluates packed rows (several dialogues a row, none attending to another) through its own loss;
     transformers here takes each dialogue alone, rendered and masked by llmtune's data pipeline (`llmtune data`),
@@ -90,12 +91,14 @@ def test_base_eval_loss_equals_transformers_own(trained):
 
 
 @pytest.mark.slow
+@pytest.mark.real
 def test_training_lowers_the_eval_loss(trained):
     assert trained.summary["steps"] == STEPS
     assert trained.summary["eval_loss"] < trained.base_eval_loss, (trained.summary["eval_loss"], trained.base_eval_loss)
 
 
 @pytest.mark.slow
+@pytest.mark.real
 def test_generate_answers_in_the_chat_template_and_stops_at_end_of_turn(trained, capsys, monkeypatch):
     """`llmtune generate` on the run (its adapter on the base, unmerged): the prompt is the chat template's, and the
     reply ends because the model emitted `<|im_end|>`, not because the budget ran out."""
@@ -135,12 +138,14 @@ def test_generate_answers_in_the_chat_template_and_stops_at_end_of_turn(trained,
 
 
 @pytest.mark.slow
+@pytest.mark.real
 def test_planned_peak_memory_is_the_measured_one(trained):
     predicted = trained.summary["memory_plan"]["predicted_peak_bytes"]
     measured = trained.summary["peak_memory_bytes"]
     assert measured > 0 and abs(measured / predicted - 1) <= 0.05, (predicted, measured)
 
 
+@pytest.mark.real
 def test_chitchat_rows_alternate_from_user_to_assistant():
     """Bursts of one sender are merged into one turn (so a template's strict alternation holds), a dialogue ends on
     the assistant's turn, and the two files are disjoint."""

@@ -214,3 +214,12 @@ def test_schema_refuses_what_the_loader_refuses(bad):
     from llmtune.recipe import json_schema
 
     assert list(jsonschema.Draft202012Validator(json_schema()).iter_errors(bad))
+
+
+def test_a_model_path_under_home_is_expanded(tmp_path):
+    # transformers took `~/models/x` for a hub id: the model and tokenizer named so never loaded.
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {name_or_path: ~/models/x, tokenizer: ~/toks/y}\ndata: {train: [{path: d.jsonl}]}\n")
+    model = load_recipe(path).model
+    assert model.name_or_path == str(Path.home() / "models" / "x")
+    assert model.tokenizer == str(Path.home() / "toks" / "y")
