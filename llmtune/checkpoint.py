@@ -375,9 +375,32 @@ def load_checkpoint(
     *,
     trainable_only: bool = False,
 ) -> dict[str, Any]:
-    # Not strict only when the checkpoint was saved without the frozen base (save_trainable_only).
+    # Not strict only when the checkpoint was saved without the frozen base (save_trainable_only): then its keys are
+    # compared here, as a non-strict load would leave a renamed adapter fresh under the old optimizer state.
+    if trainable_only:
+        check_trained_keys(path, accelerator.unwrap_model(model))
     parallel.load_state(accelerator, path, engine, model, optimizer, peft=trainable_only)
     return saved_state(path)
+
+
+def check_trained_keys(path: Path, model: torch.nn.Module) -> None:
+    """Refuse a PEFT checkpoint whose tensors are not exactly what trains (an adapter renamed by a peft upgrade, one
+    added or dropped). Read from the safetensors file Accelerate writes; DeepSpeed's and FSDP2's formats are theirs."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("model*.safetensors"))
+    if not files:
+        return
+    with safe_open(str(files[0]), "pt") as weights:
+        saved = set(weights.keys())
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    missing, unexpected = sorted(trained - saved), sorted(saved - trained)
+    if missing or unexpected:
+        raise ResumeError(
+            f"cannot resume from {path}: its tensors are not the ones this run trains (missing {missing[:2]},"
+            f" unexpected {unexpected[:2]}; {len(missing)} and {len(unexpected)} in all): written by another peft or"
+            " adapter setup; use another output_dir, or start over in this one: checkpoint.resume=none overwrite=true"
+        )
 
 
 def saved_state(path: Path) -> dict[str, Any]:

@@ -372,3 +372,22 @@ def test_a_process_killed_while_replacing_final_leaves_a_whole_final(tmp_path):
     done = subprocess.run([sys.executable, str(script), str(tmp), str(final)], capture_output=True, timeout=60)
     assert done.returncode == -signal.SIGKILL, done.stderr
     assert (final / "model.safetensors").read_text() in ("old", "new")
+
+
+def test_a_lora_resume_whose_adapters_do_not_match_is_refused(tiny_recipe, capsys):
+    """A LoRA checkpoint holds only the adapters and loads non-strictly (no frozen base in it): an adapter whose name
+    changed (a peft upgrade) used to resume as a fresh adapter under the old optimizer state, silently."""
+    from safetensors.torch import load_file, save_file
+
+    recipe = tiny_recipe(peft__method="lora", checkpoint__every_n_steps=2, checkpoint__resume="auto")
+    assert main(["train", "--recipe", str(recipe)]) == 0
+    saved = checkpoint.complete_checkpoints(recipe.parent / "run")[-1]
+    weights = load_file(saved / "model.safetensors")
+    renamed = next(k for k in weights if "lora_A" in k)
+    weights[renamed.replace("lora_A", "lora_A_renamed")] = weights.pop(renamed)
+    save_file(weights, saved / "model.safetensors")
+    checkpoint.write_manifest(saved)  # a sound checkpoint, written by another adapter setup
+    capsys.readouterr()
+    assert main(["train", "--recipe", str(recipe), "training.max_steps=6"]) == 2
+    err = capsys.readouterr().err
+    assert "not the ones this run trains" in err and renamed in err, err
