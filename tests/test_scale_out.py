@@ -180,17 +180,22 @@ def then(recipe: Path, out: Path, *extra: str) -> list[str]:
     return ["+", "--recipe", str(recipe), f"output_dir={out}", *extra]
 
 
+RUNS_OF = ("none", "lora")
+
+
 def launch_engine(folder: Path, engine: str, model_dir: Path, config_only: Path, data: Path) -> Launch:
     """One launch of the engine's Accelerate config training, in turn, every run the tests below check: full
     fine-tuning and LoRA; under FSDP2 bf16 too; under ZeRO-3 a random init; under DDP LoRA in bf16."""
-    runs = {method: (write_recipe(folder / method, model_dir, data, method, engine), []) for method in ("none", "lora")}
+    # Each recipe in a folder of its own: a run refuses an output_dir holding a recipe.yaml it did not write.
+    recipes = {method: write_recipe(folder / f"recipe-{method}", model_dir, data, method, engine) for method in RUNS_OF}
+    runs = {method: (recipe, []) for method, recipe in recipes.items()}
     if engine == "fsdp2":
         runs["bf16"] = (runs["none"][0], ["training.precision=bf16"])
         runs["lora-head"] = (runs["lora"][0], [HEAD_TARGETS])
     if engine == "zero3":
         runs["auto"] = (runs["none"][0], ["training.micro_batch_size=auto"])
         runs["random_init"] = (
-            write_recipe(folder / "init", config_only, data, "none", engine),
+            write_recipe(folder / "recipe-init", config_only, data, "none", engine),
             ["model.random_init=true"],
         )
     if engine == "ddp":
