@@ -385,14 +385,10 @@ def load_checkpoint(
 
 def check_trained_keys(path: Path, model: torch.nn.Module) -> None:
     """Refuse a PEFT checkpoint whose tensors are not exactly what trains (an adapter renamed by a peft upgrade, one
-    added or dropped). Read from the safetensors file Accelerate writes; DeepSpeed's and FSDP2's formats are theirs."""
-    from safetensors import safe_open
-
-    files = sorted(path.glob("model*.safetensors"))
-    if not files:
+    added or dropped): every engine loads these non-strictly, as they hold no frozen base."""
+    saved = saved_tensor_names(path)
+    if saved is None:
         return
-    with safe_open(str(files[0]), "pt") as weights:
-        saved = set(weights.keys())
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
     missing, unexpected = sorted(trained - saved), sorted(saved - trained)
     if missing or unexpected:
@@ -401,6 +397,26 @@ def check_trained_keys(path: Path, model: torch.nn.Module) -> None:
             f" unexpected {unexpected[:2]}; {len(missing)} and {len(unexpected)} in all): written by another peft or"
             " adapter setup; use another output_dir, or start over in this one: checkpoint.resume=none overwrite=true"
         )
+
+
+def saved_tensor_names(path: Path) -> set[str] | None:
+    """The model tensors' names in a checkpoint, from whichever format wrote it: Accelerate's safetensors (one
+    process, DDP), DeepSpeed's module states, or FSDP2's distributed-checkpoint metadata; None if none is there."""
+    from safetensors import safe_open
+
+    if files := sorted(path.glob("model*.safetensors")):
+        with safe_open(str(files[0]), "pt") as weights:
+            return set(weights.keys())
+    if states := sorted(path.glob("pytorch_model/*mp_rank_*_model_states.pt")):
+        # A pickle, as DeepSpeed's own load reads it next (resumes from folders of others are refused before:
+        # `checkpoint.trust`). Under PEFT it holds the adapters only (ZeRO-3: empty placeholders under their names).
+        return set(torch.load(states[0], map_location="cpu", weights_only=False)["module"])
+    if (path / parallel.DCP_DIR / ".metadata").exists():
+        import torch.distributed.checkpoint as dcp
+
+        metadata = dcp.FileSystemReader(str(path / parallel.DCP_DIR)).read_metadata()
+        return {key.removeprefix("model.") for key in metadata.state_dict_metadata if key.startswith("model.")}
+    return None
 
 
 def saved_state(path: Path) -> dict[str, Any]:

@@ -292,6 +292,17 @@ def grpo_reference(tmp_path_factory, model_dir) -> Path:
     return folder / "run"
 
 
+@pytest.mark.parametrize("engine", ["fsdp2", *(pytest.param(e, marks=needs_deepspeed) for e in ("zero2", "zero3"))])
+def test_a_lora_resume_checks_the_adapter_names_in_every_engines_format(launched, reference, engine):
+    """A LoRA checkpoint loads non-strictly (it holds no frozen base), so a resume compares its tensor names with what
+    trains and refuses a renamed adapter (test_resilience). DeepSpeed and FSDP2 write formats of their own, where the
+    check used to find no names and let a renamed adapter start fresh: their names must be those Accelerate writes."""
+    step = Path("checkpoints") / "step-000002"
+    want = checkpoint.saved_tensor_names(reference["lora"][0] / step)
+    assert want and all("lora_" in name for name in want), want
+    assert checkpoint.saved_tensor_names(launched(engine).runs["lora"] / step) == want
+
+
 def test_fsdp2_saves_lora_adapters_without_gathering_the_frozen_base(launched):
     """final/ of a LoRA run under FSDP2 holds the adapters: only they are gathered (a 70B base gathered whole to
     save them took ~140 GB of host RAM). test_two_processes_equal_one checks the saved adapters' values."""
