@@ -30,7 +30,7 @@ import json
 import logging
 import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -369,9 +369,15 @@ def _mark_call_end(
 
 
 def _call_ends(tokenizer: Any) -> set[int]:
-    known = [tokenizer.convert_tokens_to_ids(token) for token in TOOL_CALL_ENDS]
-    ends = {i for i in known if isinstance(i, int) and i != tokenizer.unk_token_id}
-    return ends | set(end_of_turn_ids(tokenizer)) | ({tokenizer.eos_token_id} - {None})
+    """The tokens that can end a tool call: the known call closers, the end of turn, eos (once per template: finding
+    the end of turn renders a probe)."""
+
+    def ends() -> set[int]:
+        known = [tokenizer.convert_tokens_to_ids(token) for token in TOOL_CALL_ENDS]
+        closers = {i for i in known if isinstance(i, int) and i != tokenizer.unk_token_id}
+        return closers | set(end_of_turn_ids(tokenizer)) | ({tokenizer.eos_token_id} - {None})
+
+    return _per_template(_ends, tokenizer, ends)
 
 
 def _special_ids(tokenizer: Any) -> set[int]:
@@ -380,18 +386,27 @@ def _special_ids(tokenizer: Any) -> set[int]:
 
 
 _facts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _per_template(store: weakref.WeakKeyDictionary, tokenizer: Any, compute: Callable[[], Any]) -> Any:
+    """`compute()`, worked out once per tokenizer and template: the same for every row (a dataset renders each row
+    with one tokenizer), and a template changed on the tokenizer is worked out again."""
+    template = _template(tokenizer)
+    cached = store.get(tokenizer)
+    if cached is None or cached[0] != template:
+        cached = store[tokenizer] = (template, compute())
+    return cached[1]
 
 
 def _template_facts(tokenizer: Any) -> tuple[str, set[int], list[str]]:
-    """(the generation prompt, the special ids, their texts): the same for every row, so worked out once per tokenizer
-    and template (a dataset renders each row with one tokenizer)."""
-    template = _template(tokenizer)
-    cached = _facts.get(tokenizer)
-    if cached is None or cached[0] != template:
+    """(the generation prompt, the special ids, their texts)."""
+
+    def facts() -> tuple[str, set[int], list[str]]:
         special = _special_ids(tokenizer)
-        cached = (template, (_generation_prompt(tokenizer), special, tokenizer.convert_ids_to_tokens(sorted(special))))
-        _facts[tokenizer] = cached
-    return cached[1]
+        return _generation_prompt(tokenizer), special, tokenizer.convert_ids_to_tokens(sorted(special))
+
+    return _per_template(_facts, tokenizer, facts)
 
 
 def _generation_prompt(tokenizer: Any) -> str:
