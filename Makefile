@@ -115,13 +115,13 @@ docs: install
 
 # ---------------------------------------------------------------- the GPU check (benchmarks/gpu_check.py)
 # A GPU machine may reach no package registry: what its image lacks travels as wheels in .whl/ (git-ignored),
-# made here by `make gpu-wheels`. For the lent H200 (Python 3.12; torch, transformers, accelerate, peft
-# present): datasets and its needs, pyarrow (datasets 5.2 needs >= 24; installed there only if the image's
+# made here by `make gpu-wheels`. For the lent H100/H200 (Python 3.12; torch, transformers, accelerate, peft
+# present): TRL (the check's vs_trl section), datasets and its needs, pyarrow (datasets 5.2 needs >= 24; installed there only if the image's
 # is older), and DeepSpeed with its needs. DeepSpeed publishes source only: a wheel is built from it with
 # this venv's torch (pure Python; its ops compile on first use). 58 MiB in all.
 GPU_PY    ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_SITE  := /tmp/llmtune-site
-WHEELS    := datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyarrow==26.0.1 hjson==3.1.0 pydantic==2.14.4 \
+WHEELS    := trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyarrow==26.0.1 hjson==3.1.0 pydantic==2.14.4 \
              pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
              --platform manylinux2014_x86_64 --platform manylinux1_x86_64

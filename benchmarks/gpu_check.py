@@ -7,13 +7,18 @@ Writes gpu-<date>.json and gpu-<date>.md (benchmarks/results/ unless --out, e.g.
 ARGS="--out $OUT"` where only $OUT comes back) after every section, so a section that fails or overruns
 its time box loses only itself; prints the tables at the end. Time boxes are checked between cases (an
 asynchronous interrupt inside a traced or CUDA operation can break torch's mode stacks); subprocesses get
-the time left. Memory, planner and throughput use random-init models shaped like Llama-3.2-1B and
+the time left. Memory, planner and the hot path use random-init models shaped like Llama-3.2-1B and
 Qwen2.5-0.5B (and Llama-3.1-8B cut to 4 layers); the sections that test mechanics (and write checkpoints)
 use a small Llama. The tokenizer is trained offline: nothing is downloaded.
 
 Sections (in this order; the memory matrix last, as it takes the time that is left; `--sections` picks):
 - env: versions, the device, which optional packages are present, the MFU peak (datasheet or measured)
   beside a large measured matmul.
+- mfu, vs_hf, vs_trl (issue 42's hot path, first so that a run cut off still reports them): the Llama-3.2-1B
+  shape, full fine-tune, bf16, 8 rows x 2048 tokens a step. mfu: llmtune packed, checkpointing off, its defaults
+  otherwise (compile auto, chunked loss); vs_hf: against the HF Trainer at identical settings (unpacked full rows);
+  vs_trl: llmtune's defaults against TRL's SFTTrainer with packing / padding_free (its wheel from make gpu-wheels).
+  Each with the time model's forecast and a profiled step's top ops (torch.profiler; GPU kernels on CUDA).
 - fp16 (CUDA): dynamic loss scaling with an overflow injected at step 2: the loop counts exactly the steps
   at which the loss scale dropped.
 - bf16_true: full fine-tuning with bf16 weights keeps its updates (llmtune.optim.BF16AdamW).
@@ -33,8 +38,6 @@ Sections (in this order; the memory matrix last, as it takes the time that is le
 - planner_v2: benchmarks/planner.py's GPU version (`--quick --device cuda`): every checkpointing x micro-batch
   candidate of a 1B-wide 4-layer Llama measured; the planner's pick against the measured best and against full
   checkpointing at three budgets; the time model against every candidate.
-- throughput: llmtune vs the HF Trainer (benchmarks/vs_hf.py) at identical settings and with each
-  tool's defaults: tokens/s, peak memory, MFU against the datasheet peak.
 - cuda_kernels (CUDA): Llama-3.1-8B cut to 4 layers, LoRA, the estimate (peak and reserved)
   against a steady step's max_memory_allocated / max_memory_reserved on three kernel paths: memory-efficient SDPA
   on packed rows (2 x 4096, bf16, block mask), flash SDPA with GQA (1 x 4096 full rows, bf16), QLoRA bf16-true
@@ -81,8 +84,10 @@ TARGETS = {
     "memory_median_abs_error": 0.02,
     "memory_worst_abs_error": 0.05,
     "memory_most_under": -0.03,  # never more than 3% under max_memory_allocated
-    "tokens_per_s_ratio_identical": 1.0,
-    "mfu_bf16_1b": 0.40,
+    # Issue 42's hot path: Llama-3.2-1B shape, full fine-tune, bf16, 8 x 2048.
+    "mfu_1b_8x2048_packed": 0.45,
+    "vs_hf_identical_8x2048": 1.1,
+    "vs_trl_padding_free": 1.3,
 }
 
 
@@ -101,18 +106,22 @@ class Size:
     planner_global: int
     vocab: int  # tokenizer
     boxes: dict[str, float]  # seconds per section
+    hot: tuple[int, int] = (2048, 8)  # the hot path's (max_length, micro-batch): issue 42's 8 x 2048
+    hot_steps: int = 5  # timed steps of each hot-path run (after the tracked and compiling ones)
 
 
 FULL = Size(
     max_length=1024, micro=4, planner_global=16, vocab=32000,
-    boxes={"env": 30, "fp16": 40, "bf16_true": 40, "resume": 50, "memory": 300, "planner": 75, "planner_v2": 90,
-           "throughput": 90, "fsdp2": 70, "deepspeed_zero3": 70, "gpu_tests": 60, "dpo_reference": 40, "fsdp2_dpo": 70,
+    boxes={"env": 30, "mfu": 110, "vs_hf": 110, "vs_trl": 120,
+           "fp16": 40, "bf16_true": 40, "resume": 50, "memory": 300, "planner": 75, "planner_v2": 90,
+           "fsdp2": 70, "deepspeed_zero3": 70, "gpu_tests": 60, "dpo_reference": 40, "fsdp2_dpo": 70,
            "generate_chat": 30, "qlora": 40, "grpo": 60, "cuda_kernels": 90},
 )  # fmt: skip
 TINY = Size(
     # Boxes only bound a stuck CI run (a verdict must not depend on the host's speed): a 2-core machine ran this in
     # 37 s idle and 137 s at a load of 5, when planner_v2 alone took 85 s (boxes of 120 s failed it there).
-    max_length=64, micro=2, planner_global=2, vocab=512, boxes=dict.fromkeys(FULL.boxes, 600.0),
+    max_length=64, micro=2, planner_global=2, vocab=512, boxes=dict.fromkeys(FULL.boxes, 600.0), hot=(64, 2),
+    hot_steps=1,
 )  # fmt: skip
 
 
@@ -170,8 +179,8 @@ class Ctx:
     tmp: Path
     models: dict[str, Path] = field(default_factory=dict)  # name -> folder (config + tokenizer)
     data: dict[str, Path] = field(default_factory=dict)  # "long" (rows > max_length), "short" (pack several)
-    chat: Path | None = None  # vs_hf's chat rows (the throughput section)
     deadline: float = float("inf")  # the running section's time box (time.perf_counter)
+    rates: Any = None  # the time model's rates of this device, for the hot path's forecasts (`predicted`)
     _runs: itertools.count = field(default_factory=itertools.count)
 
     @property
@@ -235,7 +244,6 @@ def prepare(ctx: Ctx) -> None:
     assets = vs_hf.make_assets(
         ctx.tmp / "assets", layers=1, hidden=64, examples=200, max_length=ctx.size.max_length, vocab=ctx.size.vocab
     )
-    ctx.chat = Path(assets["data"])
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(assets["model_dir"])
@@ -253,9 +261,16 @@ def prepare(ctx: Ctx) -> None:
     n = ctx.size.max_length
     # Every long row has more words than max_length tokens (a word is >= 1 token): truncated, each row is
     # exactly max_length, the length the estimate assumes. Short rows pack 3-10 to a row.
+    hot = ctx.size.hot[0]
     rows = {
         "long": [vs_hf.random_sentence(rng, lexicon, weights, n + 16) for _ in range(48)],
         "short": [vs_hf.random_sentence(rng, lexicon, weights, rng.randint(n // 16, n // 4)) for _ in range(320)],
+        # The hot path's: rows that fill its max_length (identical settings, 8 x 2048 unpacked), and documents of
+        # 1/16 to 1/2 of it that pack several to a row (as SFT sets do; 160 fill ~30 rows, reused every 4 steps).
+        "hot_long": [vs_hf.random_sentence(rng, lexicon, weights, hot + 16) for _ in range(16)],
+        "hot_docs": [
+            vs_hf.random_sentence(rng, lexicon, weights, rng.randint(hot // 16, hot // 2)) for _ in range(160)
+        ],
     }
     for kind, texts in rows.items():
         ctx.data[kind] = ctx.tmp / f"{kind}.jsonl"
@@ -615,54 +630,162 @@ def section_planner_v2(ctx: Ctx, out: dict) -> None:
     out["ok"] = s["pick_over_best_min"] >= 0.95 and s["out_of_budget_picks"] == 0
 
 
-def section_throughput(ctx: Ctx, out: dict) -> None:
-    """vs_hf's trials on the 1B shape (tiny: toy), bf16 where the device has it."""
-    from transformers import AutoConfig
+# ---------------------------------------------------------------- the hot path (issue 42): 1B shape, 8 x 2048
 
+
+def hot_recipe(ctx: Ctx, folder: Path, data: str, *, packed: bool, steps: int, **training: Any) -> dict:
+    """vs_hf's recipe on the 1B shape (tiny: toy) at the hot path's max_length, on `data`'s text rows: global batch 8,
+    bf16 (on a CPU as `auto` resolves it), every other key llmtune's default unless `training` sets it."""
     from llmtune.model import resolve_precision
-    from llmtune.units import parse_bytes
 
+    model = next(m for m in ctx.models if m.startswith("llama-") and m != SMOKE)
     precision = resolve_precision("auto", ctx.device.type)
-    model = next(m for m in ctx.models if m.startswith("llama-") and m != SMOKE)  # the 1B shape
-    folder = ctx.tmp / "throughput"
-    folder.mkdir()
-    assets = {"model_dir": str(ctx.models[model]), "data": str(ctx.chat)}
-    config = AutoConfig.from_pretrained(ctx.models[model])
-    steps = vs_hf.TRACKED_STEPS + (1 if ctx.tiny else 6)  # memory is tracked in the first, then timed
-    base = vs_hf.base_recipe(assets, folder / "run", max_length=ctx.size.max_length, steps=steps, seed=0,
-                                   precision=precision)  # fmt: skip
-    tokenizer, ds, trained = vs_hf.hf_dataset(base, folder, steps)
-    budget = "60GiB" if ctx.cuda else "2GiB"
-    hf_kwargs, tried = vs_hf.hf_defaults(config, max_length=ctx.size.max_length, budget=parse_bytes(budget),
-                                               precision=precision, device=ctx.device.type)  # fmt: skip
-    modes = {
-        "identical": vs_hf.identical_trial(precision),
-        "defaults": ({"memory": {"budget": budget}}, hf_kwargs),
+    assets = {"model_dir": str(ctx.models[model]), "data": str(ctx.data[data])}
+    recipe = vs_hf.base_recipe(assets, folder / "run", max_length=ctx.size.hot[0], steps=steps, seed=0,
+                               precision=precision)  # fmt: skip
+    recipe["data"].update(train=[{"path": str(ctx.data[data]), "format": "text"}], packing=packed)
+    recipe["training"].update(training)
+    return recipe
+
+
+def compile_skip(ctx: Ctx) -> int:
+    """Steps left out of the timing after the tracked ones: a compiled block compiles in the first (a second shape
+    of unpacked rows may compile it again); on a CPU `compile: auto` is off."""
+    return 2 if ctx.cuda else 0
+
+
+def profiled_step(ctx: Ctx) -> Callable[[Any], dict]:
+    """For `vs_hf.run_llmtune(after=...)`: one more optimizer step of the trained run under torch.profiler."""
+
+    def profile(run: Any) -> dict:
+        from llmtune.train import train_step
+
+        batch = examples(run, 0)
+        with vs_hf.make_profiler(ctx.device.type) as prof:
+            train_step(run, batch)
+            if ctx.cuda:
+                torch.cuda.synchronize()
+        return vs_hf.profile_table(prof)
+
+    return profile
+
+
+def predicted(ctx: Ctx, recipe: dict) -> dict:
+    """The time model's forecast for `recipe` on this device, as training plans it (rates measured here in 1-3 s):
+    tokens/s (every token of the step) and the plan it timed."""
+    from llmtune.loss import resolve_loss_impl
+    from llmtune.memory import plan_rates, resolve_budget
+    from llmtune.model import load_config
+    from llmtune.planning import plan_recipe
+    from llmtune.recipe import load_recipe
+
+    path = ctx.tmp / f"recipe-predicted-{time.monotonic_ns()}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    r = load_recipe(path)
+    config = load_config(r.model)
+    device, precision = ctx.device.type, recipe["training"]["precision"]
+    if ctx.rates is None:  # measured once: every hot-path recipe has the same model, precision and device
+        ctx.rates = plan_rates(device, precision, config, tf32=r.training.tf32_on(device))
+    plan, _ = plan_recipe(
+        r, config, device=device, budget_bytes=resolve_budget(r.memory.budget, ctx.device), num_processes=1,
+        precision=precision, rates=ctx.rates,
+    )  # fmt: skip
+    return {
+        "tokens_per_s": plan.predicted_tokens_per_s,
+        "micro_batch_size": plan.micro_batch_size,
+        "checkpointing": plan.checkpointing.describe(),
+        "compiled": r.training.compiles(device),
+        "loss": resolve_loss_impl(r.training.loss, config),
+        "rates": plan.rates_source,
     }
-    if not ctx.tiny:  # llmtune's fastest setting that fits: what MFU can reach
-        modes["defaults_no_checkpointing"] = (
-            {"memory": {"budget": budget}, "training": {"gradient_checkpointing": False}},
-            hf_kwargs,
-        )
-    out.update(precision=precision, budget=budget, hf_settings_tried=tried, modes={})
-    for mode, (over, kwargs) in modes.items():
-        ctx.check_time()
-        recipe = vs_hf.merge(copy.deepcopy(base), over)
-        recipe["output_dir"] = str(folder / f"run-{mode}")
-        pair = {"llmtune": vs_hf.run_llmtune(recipe, folder)}
-        shutil.rmtree(recipe["output_dir"])  # a 1B model's final/ is 5 GB; the disk is not endless
-        release()
-        pair["hf"] = vs_hf.run_hf(assets, tokenizer, ds, trained, steps=steps, seed=0, tmp=folder,
-                                        device=ctx.device.type, **kwargs)  # fmt: skip
-        release()
-        pair["tokens_per_s_ratio"] = pair["llmtune"]["tokens_per_s"] / pair["hf"]["tokens_per_s"]
-        pair["memory_ratio"] = pair["llmtune"]["peak_memory_bytes"] / pair["hf"]["peak_memory_bytes"]
-        out["modes"][mode] = pair
-    best_mfu = max(m["llmtune"]["mfu"] for m in out["modes"].values())
-    out["best_mfu"] = best_mfu
-    # A toy model's step is mostly per-step overhead, on a busy CPU: no targets there.
-    speed_ok = out["modes"]["identical"]["tokens_per_s_ratio"] >= TARGETS["tokens_per_s_ratio_identical"]
-    out["ok"] = None if ctx.tiny else speed_ok and best_mfu >= TARGETS["mfu_bf16_1b"]
+
+
+def with_prediction(out: dict, side: dict, forecast: dict) -> None:
+    """The forecast beside the measurement: MFU at the measured run's FLOPs per token (MFU is linear in tokens/s)."""
+    forecast["mfu"] = side["mfu"] * forecast["tokens_per_s"] / side["tokens_per_s"] if side.get("mfu") else None
+    out["predicted"] = forecast
+
+
+def section_mfu(ctx: Ctx, out: dict) -> None:
+    """llmtune on the 1B shape, 8 x 2048 rows packed from documents, full fine-tune in bf16, checkpointing off, the
+    rest llmtune's defaults (compile auto, chunked loss): MFU and tokens/s, the time model's forecast beside, and a
+    profiled step's top ops."""
+    folder = ctx.tmp / "mfu"
+    folder.mkdir()
+    skip = compile_skip(ctx)
+    steps = vs_hf.TRACKED_STEPS + skip + ctx.size.hot_steps
+    recipe = hot_recipe(ctx, folder, "hot_docs", packed=True, steps=steps, micro_batch_size=ctx.size.hot[1],
+                        gradient_checkpointing=False)  # fmt: skip
+    forecast = predicted(ctx, recipe)
+    ctx.check_time()
+    result = vs_hf.run_llmtune(recipe, folder, skip=skip, after=profiled_step(ctx))
+    shutil.rmtree(recipe["output_dir"])  # a 1B model's final/ is 5 GB; the disk is not endless
+    out["profile"] = result.pop("after")
+    out.update(llmtune=result, mfu=result["mfu"], tokens_per_s=result["tokens_per_s"])
+    with_prediction(out, result, forecast)
+    out["ok"] = None if ctx.tiny else result["mfu"] >= TARGETS["mfu_1b_8x2048_packed"]
+
+
+def section_vs_hf(ctx: Ctx, out: dict) -> None:
+    """llmtune against the HF Trainer at identical settings on the 1B shape: 8 rows of 2048 tokens (rows longer,
+    truncated: no padding, no packing), bf16 autocast, fused AdamW, transformers' loss, no checkpointing, the same
+    rows in the same order; each tool's kernels as it runs by default (llmtune compiles its blocks on CUDA). Both
+    profiled one step."""
+    folder = ctx.tmp / "vs_hf"
+    folder.mkdir()
+    skip = compile_skip(ctx)
+    steps = vs_hf.TRACKED_STEPS + skip + ctx.size.hot_steps
+    recipe = hot_recipe(ctx, folder, "hot_long", packed=False, steps=steps)
+    over, hf_kwargs = vs_hf.identical_trial(recipe["training"]["precision"], micro=ctx.size.hot[1])
+    recipe = vs_hf.merge(recipe, over)
+    tokenizer, ds, trained = vs_hf.hf_dataset(recipe, folder, steps)
+    forecast = predicted(ctx, recipe)
+    ctx.check_time()
+    mine = vs_hf.run_llmtune(recipe, folder, skip=skip, after=profiled_step(ctx))
+    shutil.rmtree(recipe["output_dir"])
+    out["profile"] = {"llmtune": mine.pop("after")}
+    with_prediction(out, mine, forecast)
+    out["llmtune"] = mine
+    release()
+    ctx.check_time()
+    assets = {"model_dir": recipe["model"]["name_or_path"], "data": str(ctx.data["hot_long"])}
+    hf = vs_hf.run_hf(assets, tokenizer, ds, trained, steps=steps + 1, seed=0, tmp=folder, device=ctx.device.type,
+                      profile_step=steps + 1, **hf_kwargs)  # fmt: skip
+    out["profile"]["hf"] = hf.pop("profile", None)
+    out["hf"] = hf
+    out["tokens_per_s_ratio"] = mine["tokens_per_s"] / hf["tokens_per_s"]
+    out["memory_ratio"] = mine["peak_memory_bytes"] / hf["peak_memory_bytes"]
+    out["ok"] = None if ctx.tiny else out["tokens_per_s_ratio"] >= TARGETS["vs_hf_identical_8x2048"]
+
+
+def section_vs_trl(ctx: Ctx, out: dict) -> None:
+    """llmtune's defaults (packing, compile auto, chunked loss, micro-batch and checkpointing planned within the
+    device's memory) against TRL's SFTTrainer with packing and `padding_free` (`vs_hf.run_trl`), on the same
+    documents, 8 rows of up to 2048 tokens a step: trained tokens/s. Both profiled one step."""
+    if importlib.util.find_spec("trl") is None:
+        raise RuntimeError("trl is not installed (make gpu-wheels carries its wheel)")
+    folder = ctx.tmp / "vs_trl"
+    folder.mkdir()
+    skip = compile_skip(ctx)
+    steps = vs_hf.TRACKED_STEPS + skip + ctx.size.hot_steps
+    recipe = hot_recipe(ctx, folder, "hot_docs", packed=True, steps=steps)
+    forecast = predicted(ctx, recipe)
+    ctx.check_time()
+    mine = vs_hf.run_llmtune(recipe, folder, skip=skip, after=profiled_step(ctx))
+    shutil.rmtree(recipe["output_dir"])
+    out["profile"] = {"llmtune": mine.pop("after")}
+    with_prediction(out, mine, forecast)
+    out["llmtune"] = mine
+    release()
+    ctx.check_time()
+    trl_steps = vs_hf.TRACKED_STEPS + ctx.size.hot_steps + 1
+    trl = vs_hf.run_trl(recipe["model"]["name_or_path"], str(ctx.data["hot_docs"]), max_length=ctx.size.hot[0],
+                        micro=vs_hf.GLOBAL_BATCH, steps=trl_steps, seed=0, tmp=folder, device=ctx.device.type,
+                        timed_after=vs_hf.TRACKED_STEPS, profile_step=trl_steps)  # fmt: skip
+    out["profile"]["trl"] = trl.pop("profile")
+    out["trl"] = trl
+    out["tokens_per_s_ratio"] = mine["tokens_per_s"] / trl["tokens_per_s"]
+    out["ok"] = None if ctx.tiny else out["tokens_per_s_ratio"] >= TARGETS["vs_trl_padding_free"]
 
 
 def launch_smoke(ctx: Ctx, out: dict, config_file: str, recipe: dict | None = None) -> None:
@@ -911,6 +1034,10 @@ def no_cuda_or_missing(package: str) -> Callable[[Ctx], str | None]:
 # name: (function, why it is skipped here or None). The memory matrix comes last: it takes what time is left.
 SECTIONS: dict[str, tuple[Callable[[Ctx, dict], None], Callable[[Ctx], str | None]]] = {
     "env": (section_env, lambda ctx: None),
+    # Issue 42's hot path first: a run cut off by the device's time limit still reports them.
+    "mfu": (section_mfu, lambda ctx: None),
+    "vs_hf": (section_vs_hf, lambda ctx: None),
+    "vs_trl": (section_vs_trl, lambda ctx: None),
     "fp16": (section_fp16, no_cuda(" (llmtune refuses fp16 on a CPU)")),
     "bf16_true": (section_bf16_true, lambda ctx: None),
     "resume": (section_resume, lambda ctx: None),
@@ -924,7 +1051,6 @@ SECTIONS: dict[str, tuple[Callable[[Ctx, dict], None], Callable[[Ctx], str | Non
     "grpo": (section_grpo, lambda ctx: None),
     "planner": (section_planner, lambda ctx: None),
     "planner_v2": (section_planner_v2, lambda ctx: None),
-    "throughput": (section_throughput, lambda ctx: None),
     "cuda_kernels": (section_cuda_kernels, no_cuda(" (the CUDA kernels' memory paths)")),
     "memory": (section_memory, lambda ctx: None),
 }

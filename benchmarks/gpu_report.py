@@ -1,5 +1,5 @@
 """The GPU check's report: gpu-<date>.md from the results benchmarks/gpu_check.py writes, one line per section
-and a table for each measurement (memory, CUDA kernel paths, planner, planner v2, throughput)."""
+and a table for each measurement (the hot path, memory, CUDA kernel paths, planner, planner v2)."""
 
 from __future__ import annotations
 
@@ -69,20 +69,44 @@ def markdown(results: dict) -> str:
     if s.get("planner_v2", {}).get("table"):
         lines += ["", "## Planner v2: the pick against every candidate measured", ""]
         lines += s["planner_v2"]["table"].split("\n", 3)[3].strip().splitlines()  # benchmarks.planner's own table
-    if s.get("throughput", {}).get("modes"):
-        rows = []
-        for mode, pair in s["throughput"]["modes"].items():
-            for tool in ("llmtune", "hf"):
-                r = pair[tool]
-                mfu = f"{r['mfu']:.1%}" if "mfu" in r else ""
-                rows.append([mode, tool, r["micro_batch_size"], r["gradient_checkpointing"],
-                             f"{r['tokens_per_s']:.0f}", fmt_bytes(r["peak_memory_bytes"]), mfu])  # fmt: skip
-            rows.append([mode, "llmtune/HF", "", "", f"{pair['tokens_per_s_ratio']:.2f}x",
-                         f"{pair['memory_ratio']:.2f}x", ""])  # fmt: skip
-        lines += ["", "## Throughput: llmtune vs the HF Trainer", ""]
-        lines += table(["mode", "tool", "micro", "ckpt", "tokens/s", "peak", "MFU"], rows)
+    lines += hot_path(s)
     lines += ["", "Targets: " + ", ".join(f"{k} {v}" for k, v in results["targets"].items())]
     return "\n".join(lines) + "\n"
+
+
+HOT_PATH = {"mfu": ("llmtune",), "vs_hf": ("llmtune", "hf"), "vs_trl": ("llmtune", "trl")}
+
+
+def hot_path(s: dict) -> list[str]:
+    """Issue 42's sections: each tool's run, the time model's forecast beside llmtune's, and each profiled step's top
+    ops (GPU kernels' share of the step's device time; a CPU's ops' share of its time)."""
+    done = [n for n in HOT_PATH if s.get(n, {}).get("status") == "done"]
+    if not done:
+        return []
+    rows = []
+    for name in done:
+        sec = s[name]
+        for tool in HOT_PATH[name]:
+            r = sec[tool]
+            mfu = f"{r['mfu']:.1%}" if r.get("mfu") else ""
+            rows.append([name, tool, r["micro_batch_size"], r["gradient_checkpointing"], r.get("compile", ""),
+                         f"{r['tokens_per_s']:.0f}", mfu])  # fmt: skip
+        f = sec["predicted"]
+        rows.append([name, "time model", f["micro_batch_size"], f["checkpointing"], f["compiled"],
+                     f"{f['tokens_per_s']:.0f}", f"{f['mfu']:.1%}" if f["mfu"] else ""])  # fmt: skip
+        if "tokens_per_s_ratio" in sec:
+            rows.append([name, f"llmtune/{HOT_PATH[name][1]}", "", "", "", f"{sec['tokens_per_s_ratio']:.2f}x", ""])
+    lines = ["", "## Hot path: Llama-3.2-1B shape, full fine-tune, 8 rows a step", ""]
+    lines += table(["section", "tool", "micro", "ckpt", "compiled", "tokens/s", "MFU"], rows)
+    for name in done:
+        for tool, prof in (s[name]["profile"] if name != "mfu" else {"llmtune": s[name]["profile"]}).items():
+            if not prof:
+                continue
+            shares = prof.get("self_device_share") or prof["self_cpu_share"]
+            where = "GPU" if "self_device_share" in prof else "CPU"
+            lines += ["", f"Top ops, {name} / {tool} (share of one step's {where} time):", ""]
+            lines += table(["op", "share"], [[op.replace("|", "/")[:90], f"{v:.1%}"] for op, v in shares.items()])
+    return lines
 
 
 def headline(name: str, sec: dict) -> str:
@@ -113,9 +137,14 @@ def headline(name: str, sec: dict) -> str:
         return (f"{m['cases']} budgets: pick/best min {m['pick_over_best_min']:.2f}, out-of-budget picks"
                 f" {m['out_of_budget_picks']}, pick/every-layer median {room:.2f}, time model median |error|"
                 f" {m['time_model_median_abs_error_raw']:.0%}")  # fmt: skip
-    if name == "throughput":
-        ratios = ", ".join(f"{m} {p['tokens_per_s_ratio']:.2f}x" for m, p in sec["modes"].items())
-        return f"tokens/s llmtune/HF: {ratios}; best MFU {sec['best_mfu']:.1%}"
+    if name in HOT_PATH:
+        f = sec["predicted"]
+        forecast = f"forecast {f['tokens_per_s']:.0f}" + (f", MFU {f['mfu']:.1%}" if f["mfu"] else "")
+        if name == "mfu":
+            return f"MFU {sec['mfu']:.1%}, {sec['tokens_per_s']:.0f} tokens/s ({forecast})"
+        other = HOT_PATH[name][1]
+        return (f"tokens/s llmtune/{other}: {sec['tokens_per_s_ratio']:.2f}x ({sec['llmtune']['tokens_per_s']:.0f} vs"
+                f" {sec[other]['tokens_per_s']:.0f}; llmtune {forecast})")  # fmt: skip
     if name == "fp16":
         return (f"{sec['skipped_steps']} skipped step(s) counted; the loss scale dropped at steps"
                 f" {sec['scale_drops_at_steps']} (overflow injected at {sec['injected_at_step']})")  # fmt: skip

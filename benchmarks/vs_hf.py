@@ -55,6 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -190,7 +191,9 @@ def merge(into: dict, new: dict) -> dict:
 # ---------------------------------------------------------------- llmtune trial
 
 
-def run_llmtune(recipe: dict, tmp: Path, *, skip: int = 0) -> dict:
+def run_llmtune(recipe: dict, tmp: Path, *, skip: int = 0, after: Callable[[Any], dict] | None = None) -> dict:
+    """`recipe` trained by llmtune's loop, timed from its metrics.jsonl; `after(run)`, if given, runs on the trained
+    run before it is freed (a profiled step) and its dict is kept under "after"."""
     from llmtune.recipe import load_recipe
     from llmtune.train import build, fit
 
@@ -207,7 +210,8 @@ def run_llmtune(recipe: dict, tmp: Path, *, skip: int = 0) -> dict:
         "micro_batch_size": summary["micro_batch_size"],
         "grad_accum_steps": summary["grad_accum_steps"],
         "gradient_checkpointing": summary["gradient_checkpointing"],
-        "compile": run.recipe.training.compile,
+        "compile": run.recipe.training.compiles(run.accelerator.device.type),
+        "attn_implementation": run.recipe.model.attn_implementation,
         "peak_memory_bytes": summary["peak_memory_bytes"],
         "step_tokens_per_s": [r["trained_tokens"] / wall[r["step"]] for r in timed],
         # The loop's own MFU times train_step only; scaled to the whole-loop step time like tokens/s.
@@ -221,6 +225,8 @@ def run_llmtune(recipe: dict, tmp: Path, *, skip: int = 0) -> dict:
         "packing_fill": run.data.stats.packing_fill,
     }
     result["tokens_per_s"] = statistics.median(result["step_tokens_per_s"])
+    if after is not None:
+        result["after"] = after(run)
     del run
     gc.collect()
     return result
@@ -293,7 +299,7 @@ def run_hf(
                 self.tracker = PeakMemoryTracker(device, baseline=[model, optimizer])
                 self.tracker.__enter__()
             if step == profile_step:
-                self.prof = make_profiler().__enter__()
+                self.prof = make_profiler(device).__enter__()
 
         def on_step_end(self, args, state, control, **kw):
             step = state.global_step
@@ -377,17 +383,108 @@ def run_hf(
     return result
 
 
+def run_trl(
+    model_dir: str, data: str, *, max_length: int, micro: int, steps: int, seed: int, tmp: Path, device: str,
+    timed_after: int, profile_step: int | None = None,
+) -> dict:  # fmt: skip
+    """TRL's SFTTrainer as its docs recommend for speed: its SFTConfig defaults (gradient checkpointing on, bf16,
+    lr 2e-5) with `packing=True` (best-fit decreasing, which turns on `padding_free`: each micro-batch's packed rows
+    flattened into one sequence with position ids) on the text rows of `data`, `micro` rows of `max_length` a
+    micro-step, one micro-step a step. Attention: flash_attention_2 where flash-attn is installed (what TRL's
+    padding-free is written for), else sdpa (transformers then masks the flattened documents apart). Tokens/s: the
+    step's trained tokens (labels not -100) over its time, end of the step before to its own end, steps after
+    `timed_after`."""
+    import importlib.util
+
+    import datasets
+    from accelerate.state import AcceleratorState
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
+    from trl import SFTConfig, SFTTrainer
+
+    attn = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+    trained: dict[int, int] = {}
+
+    class Timed(SFTTrainer):
+        def training_step(self, model, inputs, *args, **kwargs):
+            step = self.state.global_step + 1
+            trained[step] = trained.get(step, 0) + int((inputs["labels"] != -100).sum())
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    class Measure(TrainerCallback):
+        def __init__(self):
+            self.ends, self.prof, self.profile = {}, None, None
+
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step + 1 == profile_step:
+                self.prof = make_profiler(device).__enter__()
+
+        def on_step_end(self, args, state, control, **kw):
+            if self.prof is not None:
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                self.prof.__exit__(None, None, None)
+                self.profile, self.prof = profile_table(self.prof), None
+            self.ends[state.global_step] = time.perf_counter()
+
+    AcceleratorState._reset_state()
+    set_seed(seed)
+    config = AutoConfig.from_pretrained(model_dir)
+    config.use_cache = False
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    args = SFTConfig(
+        output_dir=str(tmp / "trl"), max_length=max_length, packing=True, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=1, max_steps=steps, logging_steps=1, save_strategy="no", report_to="none",
+        disable_tqdm=True, seed=seed, dataloader_num_workers=0, use_cpu=device == "cpu", bf16=True,
+        dataset_num_proc=1,
+    )  # fmt: skip
+    measure = Measure()
+    trainer = Timed(
+        model=model, args=args, train_dataset=datasets.load_dataset("json", data_files=data, split="train"),
+        processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[measure],
+    )  # fmt: skip
+    trainer.train()
+    seconds = {s: measure.ends[s] - measure.ends[s - 1] for s in measure.ends if s - 1 in measure.ends}
+    timed = [s for s in seconds if s > timed_after and s != profile_step]
+    result = {
+        "micro_batch_size": micro,
+        "gradient_checkpointing": bool(args.gradient_checkpointing),
+        "padding_free": trainer.padding_free,
+        "attn_implementation": attn,
+        "step_tokens_per_s": [trained[s] / seconds[s] for s in timed],
+        "trained_tokens_per_step": [trained[s] for s in sorted(trained)],
+        "profile": measure.profile,
+    }
+    result["tokens_per_s"] = statistics.median(result["step_tokens_per_s"])
+    del trainer, model
+    gc.collect()
+    return result
+
+
 # ---------------------------------------------------------------- profiling and peak FLOPs
 
 
-def make_profiler():
+def make_profiler(device: str = "cpu"):
+    """torch.profiler over the host's ops, and the GPU's kernels where `device` is cuda (no memory: on a GPU it
+    records every allocation, a cost the timed steps never pay)."""
     from torch.profiler import ProfilerActivity, profile
 
+    if device == "cuda":
+        return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False)
     return profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
 
 
 def profile_table(prof, top: int = 12) -> dict:
+    """The top ops of a profile by self time: the GPU's (kernels) where it recorded any, else the host's."""
     events = prof.key_averages()
+    device_total = sum(e.self_device_time_total for e in events)
+    if device_total:
+        by_device = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+        return {
+            "self_device_share": {e.key: round(e.self_device_time_total / device_total, 4) for e in by_device},
+            "self_device_ms": round(device_total / 1e3, 2),
+            "self_cpu_ms": round(sum(e.self_cpu_time_total for e in events) / 1e3, 2),
+        }
     total = sum(e.self_cpu_time_total for e in events) or 1
     by_time = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     by_mem = sorted(events, key=lambda e: e.self_cpu_memory_usage, reverse=True)[:top]
@@ -429,12 +526,12 @@ def estimate_peak(
     ).peak_bytes  # fmt: skip
 
 
-def identical_trial(precision: str) -> tuple[dict, dict]:
+def identical_trial(precision: str, micro: int = IDENTICAL_MICRO) -> tuple[dict, dict]:
     """(llmtune recipe overrides, HF kwargs) of the `identical` mode."""
     return (
         {"data": {"packing": False, "group_by_length": False},
-         "training": {"micro_batch_size": IDENTICAL_MICRO, "loss": "hf", "gradient_checkpointing": False}},
-        {"micro": IDENTICAL_MICRO, "checkpointing": False, "optim": "adamw_torch_fused", "precision": precision},
+         "training": {"micro_batch_size": micro, "loss": "hf", "gradient_checkpointing": False}},
+        {"micro": micro, "checkpointing": False, "optim": "adamw_torch_fused", "precision": precision},
     )  # fmt: skip
 
 

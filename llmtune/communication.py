@@ -58,7 +58,7 @@ def engine_traffic(sharding: str, n: int, precision: str, parameters: int, train
         return Traffic(last_backward=all_reduce(trainable * (2 if precision == "bf16-true" else 4), n))
     if sharding in ("fsdp", "fsdp_no_reshard"):
         gathers = 2 if sharding == "fsdp" else 1
-        grads = trainable * (2 if precision == "bf16-true" else 4)  # reduce_dtype fp32 under mixed precision
+        grads = trainable * 4  # reduce_dtype fp32, bf16-true included (llmtune.parallel.shard_fsdp2)
         return Traffic(per_micro_step=gathers * all_gather(gathered, n) + all_gather(grads, n))
     grads = trainable * (2 if half else 4)  # DeepSpeed reduces in its weights' dtype
     if sharding == "zero2":

@@ -28,8 +28,11 @@ def make_accelerator(recipe: Recipe, engine: parallel.Engine, objective: Objecti
     check_trackers(recipe.logging.report_to)
     if device_type == "cuda" and expandable_segments(recipe):
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")  # before the first allocation
-    # TF32 is process-wide: set before anything times a matmul (the planner's rates, the MFU's peak).
-    torch.backends.cuda.matmul.allow_tf32 = recipe.training.tf32
+    # TF32 is process-wide: set before anything times a matmul (the planner's rates, the MFU's peak). auto: on for
+    # CUDA, where an fp32 recipe's matmuls would otherwise run at 1/7 of TF32's rate for mantissa bits training does
+    # not need (the HF Trainer's tf32=True, nanoGPT); `allow_tf32` rather than set_float32_matmul_precision("high"),
+    # which also reaches CPU backends' fp32 matmuls.
+    torch.backends.cuda.matmul.allow_tf32 = recipe.training.tf32_on(device_type)
     precision, why = choose_precision(recipe.training.precision, device_type)
     mixed = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "no")
     launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")

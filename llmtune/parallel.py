@@ -157,16 +157,16 @@ def shard_fsdp2(model: torch.nn.Module, precision: str) -> None:
         # FSDP2 with fp16 needs a sharded loss scaler that Accelerate's GradScaler is not.
         raise SetupError("training.precision=fp16 under FSDP2 is not supported; use bf16 (or fp32)")
     compute = weights_dtype("fsdp2", precision)
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
+    # Gradients are reduced in fp32 whatever the weights' dtype, bf16-true's included (as torchtitan): a bf16 sum over
+    # many processes keeps 8 mantissa bits. FSDP2 takes fp32 for fp32 weights as no cast at all.
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
     blocks = decoder_blocks(model)
     for block in blocks:
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshards_after_forward())
     # The root keeps its parameters gathered after forward: backward needs them at once. Its float inputs stay as
     # given: the only ones are a preference batch's reference log-probs, which bf16 would round by up to ~0.5 (a
     # DPO logit off by beta x that); the blocks still cast what they take in.
-    root_policy = MixedPrecisionPolicy(
-        param_dtype=compute, reduce_dtype=torch.float32 if compute else None, cast_forward_inputs=False
-    )
+    root_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False)
     fully_shard(model, mp_policy=root_policy, reshard_after_forward=False)
     log.info("FSDP2: %d %s blocks and the root sharded", len(blocks), type(blocks[0]).__name__)
 

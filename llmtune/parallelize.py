@@ -49,7 +49,7 @@ def parallelize(
     accelerator: Accelerator,
 ) -> Parallelized:
     """Apply checkpointing -> PEFT -> compile -> the objective's module -> FSDP2 or the DeepSpeed config -> prepare."""
-    model = adapt(model, recipe, plan.checkpointing)
+    model = adapt(model, recipe, plan.checkpointing, device_type=accelerator.device.type)
     # Measured on whole parameters, before the engine shards them (FSDP2's DTensors, ZeRO-3's empty tensors).
     parameters, flops = count_parameters(model), model_flops(model)
     module = objective.module(model, loss_impl, accelerator.device, parallel.weights_dtype(engine, precision))
@@ -67,9 +67,16 @@ def parallelize(
     return Parallelized(module, optimizer, parameters, flops)
 
 
-def adapt(model: PreTrainedModel, recipe: Recipe, checkpointing: Checkpointing | None = None) -> PreTrainedModel:
+def adapt(
+    model: PreTrainedModel,
+    recipe: Recipe,
+    checkpointing: Checkpointing | None = None,
+    *,
+    device_type: str | None = None,
+) -> PreTrainedModel:
     """Steps 1-3 on the plain causal LM: checkpointing (`checkpointing`, by default the recipe's, off for `auto`) ->
-    PEFT -> compile. The benchmarks that measure a model as training runs it take this step alone."""
+    PEFT -> compile (as `training.compiles` resolves it on `device_type`, by default the device of the model's
+    weights). The benchmarks that measure a model as training runs it take this step alone."""
     if checkpointing is None:
         checkpointing = checkpointing_of(recipe.training.gradient_checkpointing) or Checkpointing(0)
     apply_checkpointing(model, checkpointing)
@@ -77,6 +84,6 @@ def adapt(model: PreTrainedModel, recipe: Recipe, checkpointing: Checkpointing |
         model = apply_peft(model, recipe.peft, gradient_checkpointing=checkpointing.enabled)
         if recipe.peft.adapter_dtype == "bf16":
             cast_trained(model, torch.bfloat16)
-    if recipe.training.compile:
+    if recipe.training.compiles(device_type or next(model.parameters()).device.type):
         compile_blocks(model)
     return model

@@ -28,7 +28,7 @@ from llmtune.memory import (
 )
 from llmtune.model import SetupError
 from llmtune.recipe import Recipe, checkpointing_of
-from llmtune.timing import Rates
+from llmtune.timing import Rates, compiled
 from llmtune.units import format_bytes
 
 if TYPE_CHECKING:
@@ -74,7 +74,9 @@ def plan_recipe(
         trained_fraction=trained_fraction,
         gpu=gpu,
     )
-    rates = rates or plan_rates(device, settings["precision"], config, gpu=gpu, tf32=recipe.training.tf32)
+    rates = rates or plan_rates(device, settings["precision"], config, gpu=gpu, tf32=recipe.training.tf32_on(device))
+    if recipe.training.compiles(device):
+        rates = compiled(rates)
     plan = plan_for_budget(
         recipe,
         config,
@@ -130,7 +132,7 @@ def plan_engines(recipe: Recipe, config: Any, *, device: str, num_processes: int
     from llmtune.objectives import objective_for
 
     precision = kwargs.get("precision") or planned_precision(recipe.training.precision, device)
-    rates = plan_rates(device, precision, config, gpu=kwargs.get("gpu"), tf32=recipe.training.tf32)
+    rates = plan_rates(device, precision, config, gpu=kwargs.get("gpu"), tf32=recipe.training.tf32_on(device))
     choices = []
     for engine, sharding in ENGINES.items():
         try:

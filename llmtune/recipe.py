@@ -163,10 +163,12 @@ class TrainingConfig:
         " else fp32; the setup log says which and why.",
         "auto",
     )
-    tf32: bool = doc(
-        "On CUDA (Ampere and newer), run fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32):"
-        " about 7x faster, with a 10-bit mantissa. Off by default, as in PyTorch; mixed precision's are 16-bit anyway.",
-        False,
+    tf32: bool | Literal["auto"] = doc(
+        "Run fp32 matmuls on TF32 tensor cores (CUDA, Ampere and newer; torch.backends.cuda.matmul.allow_tf32): about"
+        " 7x fp32's speed with a 10-bit mantissa, as the HF Trainer's `tf32=True` and nanoGPT run. auto: on where the"
+        " run is on CUDA (fp32 recipes and the fp32 matmuls of mixed precision), off elsewhere (a CPU has no TF32);"
+        " false: PyTorch's default, full fp32 matmuls.",
+        "auto",
     )
     gradient_checkpointing: bool | Literal["auto", "selective"] | Checkpointing = doc(
         "Recompute activations in backward, saving memory for time. auto: the planner picks the fastest setting"
@@ -201,11 +203,22 @@ class TrainingConfig:
         " global_batch_size and micro_batch_size count completions).",
         "sft",
     )
-    compile: bool = doc(
-        "torch.compile each decoder block (one shared graph): faster steps after a one-off compile in the first steps."
-        " On CPU, memory figures are those of the eager step (Dynamo steps aside while they are measured).",
-        False,
+    compile: bool | Literal["auto"] = doc(
+        "torch.compile each decoder block (one shared graph; it composes with checkpointing and FSDP2): Inductor fuses"
+        " each block's norms, RoPE, SwiGLU and casts into a few kernels, after a one-off compile in the first steps."
+        " auto: on CUDA; off on a CPU, where compiling needs a C++ toolchain and pays little (on this project's CPUs"
+        " 1.15x on a 46M Llama after ~20 s of compiling, 0.73x on the 3M quickstart: benchmarks/results/"
+        "measurements.md). On CPU, memory figures are those of the eager step (Dynamo steps aside while measured).",
+        "auto",
     )
+
+    def compiles(self, device_type: str) -> bool:
+        """Whether the decoder blocks are compiled on `device_type` ("cuda", "cpu", ...): `compile`, auto resolved."""
+        return device_type == "cuda" if self.compile == "auto" else self.compile
+
+    def tf32_on(self, device_type: str) -> bool:
+        """Whether fp32 matmuls run on TF32 on `device_type`: `tf32`, auto resolved (on for CUDA)."""
+        return device_type == "cuda" if self.tf32 == "auto" else self.tf32
 
 
 @dataclass(frozen=True)

@@ -322,7 +322,7 @@ def save_or_stop(run: Run, step: int, preemption: Preemption, checkpoint_ok: boo
 def collate_for(run: Run, examples: list[dict]) -> dict[str, torch.Tensor]:
     # A compiled model recompiles for every new shape: packed rows are then padded to max_length (a fill
     # of ~95% costs little), so every micro-batch has the shape the memory plan assumed.
-    static = run.data.packed and run.recipe.training.compile
+    static = run.data.packed and run.recipe.training.compiles(run.accelerator.device.type)
     return run.objective.collate(
         examples,
         pad_token_id=run.tokenizer.pad_token_id,

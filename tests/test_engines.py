@@ -85,19 +85,49 @@ def test_fp32_is_timed_at_tf32_only_where_the_run_turns_it_on_and_the_card_has_i
     assert h100_tf32.link_bytes_per_s == 450 * GB and datasheet_rates("l40s", "bf16").link_bytes_per_s == 32 * GB
 
 
-def test_a_recipe_sets_tf32_for_the_run(tiny_recipe):
-    from llmtune.launch import make_accelerator
+def test_a_recipe_sets_tf32_for_the_run(tiny_recipe, monkeypatch):
+    """true / false as set; auto (the default) on where the run is on CUDA (faked: the launch's device check and the
+    allocator setting answered), off on a CPU."""
+    from llmtune import launch
     from llmtune.objectives import objective_for
     from llmtune.recipe import load_recipe
+
+    def tf32_after_launch(cuda: bool, **overrides) -> bool:
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "is_available", lambda: cuda)
+            m.setattr(launch, "check_requirements", lambda recipe, device_type: None)
+            m.setattr(torch.cuda.memory, "_set_allocator_settings", lambda settings: None)
+            m.setattr(launch, "choose_precision", lambda precision, device_type: ("fp32", "as asked"))
+            m.setattr(launch, "Accelerator", lambda **kwargs: None)  # a CUDA Accelerator needs the device
+            recipe = load_recipe(tiny_recipe(**overrides))
+            launch.make_accelerator(recipe, "ddp", objective_for(recipe))
+        return torch.backends.cuda.matmul.allow_tf32
 
     before = torch.backends.cuda.matmul.allow_tf32
     try:
         for value in (True, False):
-            recipe = load_recipe(tiny_recipe(training__tf32=value))
-            make_accelerator(recipe, "ddp", objective_for(recipe))
-            assert torch.backends.cuda.matmul.allow_tf32 is value
+            assert tf32_after_launch(False, training__tf32=value) is value
+        assert tf32_after_launch(False) is False
+        assert tf32_after_launch(True) is True
+        assert tf32_after_launch(True, training__tf32=False) is False
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_an_fp32_recipe_is_planned_at_tf32s_rate_on_a_gpu_by_default(tiny_recipe, tiny_model_dir):
+    """The planner times fp32 matmuls as the run will run them: TF32 by default on a GPU, full fp32 when turned off."""
+    from llmtune.planning import plan_recipe
+    from llmtune.recipe import load_recipe
+
+    def rates_source(**overrides) -> str:
+        batch = {"training__micro_batch_size": 2, "training__global_batch_size": 2}
+        recipe = load_recipe(tiny_recipe(training__precision="fp32", **batch, **overrides))
+        cfg = resolve_config(str(tiny_model_dir))
+        plan, _ = plan_recipe(recipe, cfg, device="cuda", budget_bytes=2**34, num_processes=1, gpu="h100-80gb")
+        return plan.rates_source
+
+    assert "TF32 on" in rates_source()
+    assert "TF32 off" in rates_source(training__tf32=False)
 
 
 def test_a_recipe_sets_the_collective_timeout(tiny_recipe):
@@ -219,3 +249,39 @@ def test_estimate_ranks_the_engines_and_plans_the_first(capsys):
     assert out["estimate"]["settings"]["sharding"] == engines[0]["sharding"] and engines[0]["fits"]
     speeds = [e["predicted_tokens_per_s"] for e in engines if e["fits"]]
     assert speeds == sorted(speeds, reverse=True)
+
+
+def test_compiled_blocks_are_timed_with_their_memory_bound_work_fused():
+    """Rates.compiled_blocks takes the block's memory-bound bytes and launches down to what Inductor's kernels move
+    (timing.COMPILED_BLOCK_*); matmul FLOPs and the work outside the blocks (head, loss, optimizer) stay as they are."""
+    from llmtune.timing import COMPILED_BLOCK_BYTES, COMPILED_BLOCK_OPS, compiled
+
+    work = Work(flops=1e12, bytes=3e9, ops=1000, block_bytes=2e9, block_ops=600)
+    eager = Rates(1e12, 1e10, 1e-6, "test")
+    fused = compiled(eager)
+    assert compiled(fused) == fused
+    assert eager.seconds(work) == pytest.approx(1.0 + 0.3 + 1e-3)
+    left_bytes = 1e9 + 2e9 * COMPILED_BLOCK_BYTES
+    left_ops = 400 + 600 * COMPILED_BLOCK_OPS
+    assert fused.seconds(work) == pytest.approx(1.0 + left_bytes / 1e10 + left_ops * 1e-6)
+
+
+def test_the_planner_times_compiled_blocks_on_a_gpu_by_default(tiny_recipe, tiny_model_dir):
+    """compile: auto is on for a GPU plan, and the traced step's block work is what it fuses: part of the bytes, as
+    the embedding's backward, the head and the loss stay eager. On a CPU plan, auto is off."""
+    from llmtune.planning import plan_recipe
+    from llmtune.recipe import load_recipe
+
+    cfg = resolve_config(str(tiny_model_dir))
+
+    def plan(device: str, **overrides) -> BatchPlan:
+        recipe = load_recipe(tiny_recipe(training__micro_batch_size=2, training__global_batch_size=2, **overrides))
+        kwargs = {"gpu": "h100-80gb"} if device == "cuda" else {}
+        return plan_recipe(recipe, cfg, device=device, budget_bytes=2**34, num_processes=1, **kwargs)[0]
+
+    auto, eager = plan("cuda"), plan("cuda", training__compile=False)
+    assert auto.rates_source.endswith("decoder blocks compiled") and "compiled" not in eager.rates_source
+    assert auto.predicted_tokens_per_s > eager.predicted_tokens_per_s
+    work = auto.estimate.work
+    assert 0 < work.block_bytes < work.bytes and 0 < work.block_ops < work.ops
+    assert "compiled" not in plan("cpu").rates_source

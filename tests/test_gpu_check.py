@@ -11,8 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_SECTIONS = (
-    "env", "bf16_true", "resume", "dpo_reference", "generate_chat", "grpo", "planner", "planner_v2", "throughput",
-    "memory",
+    "env", "mfu", "vs_hf", "vs_trl", "bf16_true", "resume", "dpo_reference", "generate_chat", "grpo", "planner",
+    "planner_v2", "memory",
 )  # fmt: skip
 CUDA_SECTIONS = ("fp16", "gpu_tests", "fsdp2", "deepspeed_zero3", "fsdp2_dpo", "qlora", "cuda_kernels")
 
@@ -42,9 +42,15 @@ def test_gpu_check_tiny_runs_every_section_and_writes_its_results(tmp_path):
     assert all(r["accelerate_trials"][0] == 2 for r in planner["rows"])  # it starts at the global batch
     v2 = sections["planner_v2"]
     assert v2["summary"]["cases"] == 3 and v2["summary"]["out_of_budget_picks"] == 0, v2["summary"]
-    assert set(sections["throughput"]["modes"]) == {"identical", "defaults"}
+    # Issue 42's hot path: each tool ran and was profiled, the time model forecast llmtune's runs.
+    assert sections["mfu"]["llmtune"]["packed"] and sections["mfu"]["profile"]["self_cpu_share"]
+    assert sections["vs_hf"]["hf"]["optimizer_class"] and sections["vs_hf"]["profile"].keys() == {"llmtune", "hf"}
+    assert sections["vs_trl"]["trl"]["padding_free"] and sections["vs_trl"]["profile"]["trl"]["self_cpu_share"]
+    for name in ("mfu", "vs_hf", "vs_trl"):
+        assert sections[name]["predicted"]["tokens_per_s"] > 0 and not sections[name]["predicted"]["compiled"], name
     report = path.with_suffix(".md").read_text()
-    assert "## Memory" in report and "## Planner" in report and "## Throughput" in report
+    assert "## Memory" in report and "## Planner" in report and "## Hot path" in report
+    assert "| vs_trl | llmtune/trl |" in report and "Top ops, vs_hf / hf" in report
     assert "## Planner v2" in report and "| llama-h64-L2 | tight" in report
     assert "| fp16 | skipped |" in report
     dpo = sections["dpo_reference"]

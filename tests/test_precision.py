@@ -162,3 +162,27 @@ def test_bf16_adamw_resumed_from_its_state_dict_takes_the_same_next_steps(tmp_pa
     bf16_steps(opt2, [resumed], grads[3:])
     assert torch.equal(resumed, p)
     assert torch.equal(opt2.state[resumed]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-true"])
+def test_fsdp2_reduces_gradients_in_fp32_whatever_the_weights_dtype(precision, tmp_path):
+    """As torchtitan: a bf16 sum over many processes keeps 8 mantissa bits, so FSDP2 reduce-scatters in fp32, bf16-true
+    included (its policy had no reduce_dtype: gradients were reduced in bf16). One gloo process; the dtype FSDP2
+    resolves from the policy at its first forward."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from llmtune.parallel import shard_fsdp2
+
+    dist = torch.distributed
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, vocab_size=64)  # fmt: skip
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if precision == "bf16-true" else None)
+        shard_fsdp2(model, precision)
+        ids = torch.randint(0, 64, (1, 8))
+        model(input_ids=ids, labels=ids).loss.backward()
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in (*model.model.layers, model)]
+        assert {g._reduce_dtype for g in groups} == {torch.float32}
+    finally:
+        dist.destroy_process_group()

@@ -223,3 +223,23 @@ def test_a_model_path_under_home_is_expanded(tmp_path):
     model = load_recipe(path).model
     assert model.name_or_path == str(Path.home() / "models" / "x")
     assert model.tokenizer == str(Path.home() / "toks" / "y")
+
+
+def test_compile_auto_compiles_the_decoder_blocks_on_cuda_only(tmp_path, tiny_recipe, tiny_model_dir):
+    """training.compile defaults to auto: the blocks compiled where the run is on CUDA (the device type faked: Module.
+    compile only wraps the block; nothing compiles before a call), eager on a CPU; true / false as set."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtune.parallelize import adapt
+
+    def compiled_blocks(device_type: str | None, **overrides) -> list[bool]:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_dir))
+        adapt(model, load_recipe(tiny_recipe(**overrides)), device_type=device_type)
+        return [block._compiled_call_impl is not None for block in model.model.layers]
+
+    assert load_recipe(tiny_recipe()).training.compile == "auto"
+    assert not any(compiled_blocks(None))  # the weights' device: this CPU
+    assert not any(compiled_blocks("cpu"))
+    assert all(compiled_blocks("cuda"))
+    assert not any(compiled_blocks("cuda", training__compile=False))
+    assert all(compiled_blocks("cpu", training__compile=True))

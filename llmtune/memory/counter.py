@@ -117,8 +117,10 @@ class TraceCounter(LiveStorageCounter):
         )
         # Selective checkpointing runs every op of a layer, in forward and in recomputation, through torch's
         # policy dispatch mode: a second Python dispatch each.
-        in_layer = self.selective and any(n.startswith(("fwd_", "bwd_")) for n in self.segment)
-        self.work[bucket].add(func, args, kwargs or {}, out, 2.0 if in_layer else 1.0)
+        in_layer = any(n.startswith(("fwd_", "bwd_")) for n in self.segment)
+        # The first layer's backward segment runs on through the embedding's backward, which no block compiles.
+        in_block = in_layer and func is not torch.ops.aten.embedding_dense_backward.default
+        self.work[bucket].add(func, args, kwargs or {}, out, 2.0 if self.selective and in_layer else 1.0, in_block)
         return out
 
     def total_work(self) -> Work:

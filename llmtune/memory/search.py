@@ -194,7 +194,7 @@ class _Search:
             update = none.optimizer_work
         else:
             work, update = uniform[mode].work, uniform[mode].optimizer_work
-        scaled = replace(work * (m / self.m0), ops=work.ops)
+        scaled = replace(work * (m / self.m0), ops=work.ops, block_ops=work.block_ops)
         micro = self.rates.seconds(scaled, rows=m * self.seq_len)
         seconds = step_seconds(
             micro, self.per_process // m, self.rates.seconds(update), self.traffic(), self.rates.link_bytes_per_s
