@@ -23,7 +23,26 @@ Dated results committed before the package existed name these as `scripts/bench_
 `scripts/gpu_check.py`: the same code, now `python -m benchmarks.<name>` and `python -m benchmarks.gpu_check`.
 """
 
+import os
+import sys
+from datetime import datetime, timezone
 from pathlib import Path
+
+import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"  # committed figures, dated in their own files
 ROOT = RESULTS.parents[1]  # the repository: recipes/, assets/, scripts/finetune.py
+
+
+def run_header(module: str, argv: list[str] | None, device: str) -> dict:
+    """When, how and where a benchmark ran: the head of its results file."""
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": f"python -m benchmarks.{module} " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {
+            "device": device,
+            "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        },  # fmt: skip
+    }

@@ -7,10 +7,11 @@ The machinery llmtune.objectives.grpo plugs into the loop:
 * advantages (`group_advantages`): each completion's reward less its group's mean, divided by the group's (or
   the batch's) std, as TRL 1.16 computes them;
 * sampling (`generate_completions`, inside `GRPOModel`'s forward): the group's completions of each prompt with a
-  KV cache (transformers' `generate`), ending at any of the stop ids. Each completion draws its noise from a
-  generator of its own, seeded by the run's seed, the step, the row's content and its place in the group
-  (Gumbel-max: the argmax of logits / T + Gumbel noise is a sample of the softmax), so a completion is the same
-  whatever the batch or the number of processes;
+  KV cache (transformers' `generate`, one call for prompts of every length, left-padded), ending at any of the stop
+  ids. Each completion's noise is counter-based, keyed by its own seed (the run's seed, the step, the row's content
+  and its place in the group) and hashed on the device (Gumbel-max: the argmax of logits / T + Gumbel noise is a
+  sample of the softmax), so a completion is the same whatever the batch or the number of processes. Under FSDP2
+  the weights are gathered once a rollout (`gathered_once`);
 * the loss (`token_losses`, `GRPOModel`): TRL's clipped importance-weighted per-token loss with the k3 KL
   estimator, summed over the objective's units (completions; completions x max_new_tokens; tokens) so the loop
   divides by the units of the whole window on all processes.
@@ -18,11 +19,12 @@ The machinery llmtune.objectives.grpo plugs into the loop:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import math
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -32,6 +34,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from llmtune.data import IGNORE
 from llmtune.errors import UserError
 from llmtune.loss import LossImpl, default_chunk_size, text_config
+from llmtune.noise import hashed_bits, uniform
 from llmtune.preference import labelled_logps
 from llmtune.recipe import GRPOConfig, RewardConfig
 
@@ -111,13 +114,26 @@ def completion_seed(seed: int, step: int, row: dict, k: int) -> int:
     return zlib.crc32(json.dumps([seed, step, row["input_ids"], row["fields"], k]).encode())
 
 
+def _int32(x: int) -> int:
+    """`x` wrapped to a signed int32, as the hash's tensors hold it."""
+    return (x + 2**31) % 2**32 - 2**31
+
+
+# The step's key advances by an odd constant (2^32 / golden ratio): distinct for 2^32 steps, and far apart in bits.
+_STEP_KEY = 0x9E3779B9
+
+
 class GumbelSampling(LogitsProcessor):
     """Temperature, top-p, then per-row Gumbel noise: greedy decoding of these scores samples each row from its
-    own generator (`seeds`), independent of the other rows."""
+    own seed (`seeds`), independent of the other rows. The noise is counter-based (llmtune.noise): a hash of (the
+    row's seed, the decoding step, the token id), computed on the scores' device, so nothing is drawn on the host
+    nor copied to the device per token, and a row's noise depends on nothing else in its batch."""
 
     def __init__(self, seeds: Sequence[int], temperature: float, top_p: float):
-        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.keys = torch.tensor([[_int32(s), _int32(mix_seed(s))] for s in seeds], dtype=torch.int32)
         self.temperature, self.top_p = temperature, top_p
+        self.step = 0  # decoding steps so far: one processor serves one `generate` call
+        self.tokens: Tensor | None = None  # the token ids [vocab] (int32), on the scores' device
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         scores = scores.float() / self.temperature
@@ -126,15 +142,23 @@ class GumbelSampling(LogitsProcessor):
             tail = ordered.softmax(-1).cumsum(-1) <= 1 - self.top_p
             tail[:, -1] = False  # the most likely token always stays
             scores = scores.masked_fill(tail.scatter(1, order, tail), -math.inf)
-        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.generators])
-        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20, max=1 - 1e-7)))
-        return scores + gumbel.to(scores.device)
+        if self.tokens is None:  # once a call: the row keys' only copy to the device
+            self.tokens = torch.arange(scores.shape[-1], dtype=torch.int32, device=scores.device)
+            self.keys = self.keys.to(scores.device)
+        step_key = self.keys[:, 1:] + _int32(self.step * _STEP_KEY)  # a scalar argument, not a copy
+        self.step += 1
+        gumbel = uniform(hashed_bits(self.tokens, self.keys[:, :1], step_key)).log_().neg_().log_().neg_()
+        return scores.add_(gumbel)  # scores / T is this processor's own tensor
+
+
+def mix_seed(seed: int) -> int:
+    """A second 32-bit key from a seed (a completion's: crc32 values, or small test integers)."""
+    return zlib.crc32(seed.to_bytes(8, "little", signed=True))
 
 
 class Sampling(NamedTuple):
     """What to sample: one completion per (prompt, seed), `batch_rows` rows per `generate` call at most; `synced`:
-    every process runs as many forwards as the longest (FSDP2, ZeRO-3: each forward gathers weights with the
-    others)."""
+    every process runs as many forwards as the longest (ZeRO-3: each forward gathers weights with the others)."""
 
     prompts: Sequence[list[int]]
     seeds: Sequence[int]
@@ -145,36 +169,69 @@ class Sampling(NamedTuple):
     synced: bool
 
 
+def left_padded(prompts: Sequence[list[int]], pad: int) -> tuple[Tensor, Tensor]:
+    """(ids, attention mask) of prompts of any length, padded on the left: every row's last prompt token sits in the
+    last column, where `generate` appends; transformers numbers each row's positions from its mask."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
 def generate_completions(model: Any, s: Sampling) -> list[list[int]]:
     """Each completion's ids up to and with its first stop id (or max_new_tokens of them).
 
-    Only prompts of one length share a `generate` call (as generate.batch_answers), so no row is padded and each
-    is computed as it would be alone."""
-    order: dict[int, list[int]] = {}
-    for i, ids in enumerate(s.prompts):
-        order.setdefault(len(ids), []).append(i)
+    One `generate` call per `batch_rows` rows whatever their prompts' lengths (left-padded, `left_padded`), the
+    rows sorted by length so that a call pads little. A row's tokens are what it would sample alone: its noise is
+    its own (`GumbelSampling`) and the mask hides the pads."""
     device = next(model.parameters()).device
     config = GenerationConfig(
         max_new_tokens=s.cfg.max_new_tokens, do_sample=False, eos_token_id=list(s.stop), pad_token_id=s.pad
     )
-    stop, synced, cfg, prompts, seeds, batch_rows = s.stop, s.synced, s.cfg, s.prompts, s.seeds, s.batch_rows
-    out: list[list[int]] = [[] for _ in prompts]
-    for length, indices in sorted(order.items()):
-        for start in range(0, len(indices), batch_rows):
-            chunk = indices[start : start + batch_rows]
-            inputs = torch.tensor([prompts[i] for i in chunk], device=device)
-            processor = GumbelSampling([seeds[i] for i in chunk], cfg.temperature, cfg.top_p)
-            generated = model.generate(
-                inputs,
-                attention_mask=torch.ones_like(inputs),
-                generation_config=config,
-                logits_processor=LogitsProcessorList([processor]),
-                synced_gpus=synced,
-            )
-            for row, i in zip(generated[:, length:].tolist(), chunk, strict=True):
-                end = next((k + 1 for k, token in enumerate(row) if token in stop), len(row))
-                out[i] = row[:end]
+    order = sorted(range(len(s.prompts)), key=lambda i: len(s.prompts[i]))
+    out: list[list[int]] = [[] for _ in s.prompts]
+    for start in range(0, len(order), s.batch_rows):
+        chunk = order[start : start + s.batch_rows]
+        ids, mask = left_padded([s.prompts[i] for i in chunk], s.pad)
+        processor = GumbelSampling([s.seeds[i] for i in chunk], s.cfg.temperature, s.cfg.top_p)
+        generated = model.generate(
+            ids.to(device),
+            attention_mask=mask.to(device),
+            generation_config=config,
+            logits_processor=LogitsProcessorList([processor]),
+            synced_gpus=s.synced,
+        )
+        for row, i in zip(generated[:, ids.shape[1] :].tolist(), chunk, strict=True):
+            end = next((k + 1 for k, token in enumerate(row) if token in s.stop), len(row))
+            out[i] = row[:end]
     return out
+
+
+@contextlib.contextmanager
+def gathered_once(module: torch.nn.Module) -> Iterator[None]:
+    """Under FSDP2, every sharded module of `module` all-gathered once for a whole rollout and kept gathered across
+    its forwards (one per decoded token), then resharded: without it each block all-gathers its weights at every
+    token, and every process must run as many forwards as the longest (`synced_gpus`). Costs the whole model's
+    unsharded weights for the rollout (llmtune.memory.generation counts them). Called inside the root's forward,
+    after FSDP2's lazy initialisation has fixed which module is the root. Anything else: nothing to do."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    # Each module's reshard-after-forward as set by sharding (blocks True, the root False), restored after.
+    groups = [m._get_fsdp_state()._fsdp_param_groups for m in sharded]
+    reshards = [any(g.post_forward_mesh_info is not None for g in gs) for gs in groups]
+    for m in sharded:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m, reshard in zip(sharded, reshards, strict=True):
+            m.set_reshard_after_forward(reshard, recurse=False)
+            m.reshard()
 
 
 # ---------------------------------------------------------------- the loss
@@ -254,7 +311,8 @@ class GRPOModel(torch.nn.Module):
         if sample is not None:
             # Sampling runs inside this module's forward: under FSDP2 only the root's forward gathers the root's
             # weights (embeddings, final norm, head), and the blocks may run only after it.
-            return generate_completions(self.model, sample)
+            with gathered_once(self):
+                return generate_completions(self.model, sample)
         if logps_only:
             return self.logps(self.model, batch)[0]
         # The reference runs first, under no_grad: its activations are gone before the policy's are kept.

@@ -480,7 +480,10 @@ class CausalLMWithLoss(torch.nn.Module):
         labels: Tensor,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
+        **documents: Any,
     ) -> Tensor:
+        """`documents`: a packed batch's cu_seq_lens / max_length (`llmtune.data.batch.with_documents`), passed on
+        to the attention function."""
         if self.impl == "hf":
             # ForCausalLMLoss divides the summed loss by num_items_in_batch: 1 keeps the sum.
             out = self.model(
@@ -490,12 +493,13 @@ class CausalLMWithLoss(torch.nn.Module):
                 labels=labels,
                 num_items_in_batch=torch.ones((), device=input_ids.device),
                 use_cache=False,
+                **documents,
             )
             return out.loss.float()
 
         decoder, head = decoder_and_head(self.model)
         hidden = decoder(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **documents
         ).last_hidden_state
         # hidden[t] predicts labels[t + 1]; the last position of each row has no target. Flattening the
         # unshifted hidden is a view; the padded label is skipped before any matmul.

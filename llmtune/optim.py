@@ -9,38 +9,84 @@ remainder, so every update survives in expectation and nothing is lost on averag
 bf16 (the memory of bf16-true stays 8 bytes per parameter before activations) and needs no extra package
 (torchao's equivalent is private API and compiles each step).
 
-The rounding noise comes from the optimizer's own generator, reseeded for every chunk from (seed, parameter,
-step, chunk), never from the global RNG: DDP replicas draw the global RNG differently (dropout on differently
-padded batches, a rank-0-only eval), and noise taken from it would make replicas with identical gradients round
-differently and drift apart with nothing to bring them back. Derived from the step, the noise also needs no
-state of its own in a checkpoint: a resumed run draws what the uninterrupted run would have drawn.
+The whole update of a parameter (moments, weight, the three roundings and their noise) is one function of
+tensors, `adamw_bf16_`, which torch.compile fuses into one kernel that reads each bf16 tensor once and keeps
+the fp32 values in registers (Triton on CUDA, C++ on a CPU with a compiler): one launch per parameter instead
+of ~15 kernels and 3 random passes per 4M-element chunk (benchmarks/optimizer.py). Where compiling is off or
+fails (no C++ compiler, an active dispatch mode such as the memory tracker's or the estimator's fake tensors)
+the same function runs eagerly, chunk by chunk, so its fp32 temporaries stay ~6 x 16 MiB.
+
+The rounding noise is counter-based (llmtune.noise): a hash of each element's index under a key from (seed,
+parameter, step, shard), never the global RNG. DDP replicas draw the global RNG differently (dropout on
+differently padded batches, a rank-0-only eval), and noise taken from it would make replicas with identical
+gradients round differently and drift apart with nothing to bring them back. Derived from the step, the noise
+also needs no state of its own in a checkpoint: a resumed run draws what the uninterrupted run would have drawn.
+And as a function of the element's index it is the same whether the kernel runs whole or in chunks, compiled or
+eager.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from llmtune.noise import hashed_bits, mix
 from llmtune.recipe import Recipe
 
-# Elements updated at a time: the fp32 temporaries of one chunk (~6 x 16 MiB) instead of a whole
-# embedding matrix's (~6 GiB for Llama-3's 128k x 2048).
+log = logging.getLogger(__name__)
+
+# Elements updated at a time by the eager step: the fp32 temporaries of one chunk (~6 x 16 MiB) instead of a whole
+# embedding matrix's (~6 GiB for Llama-3's 128k x 2048). The compiled step keeps none and takes a parameter whole.
 CHUNK = 2**22
 
 
-def stochastic_round_(target: torch.Tensor, value: torch.Tensor, generator: torch.Generator | None = None) -> None:
-    """Write fp32 `value` into bf16 `target`, rounding up or down with probability proportional to the
-    distance (unbiased): the low 16 bits of the fp32 pattern are the remainder below bf16 precision.
-    `generator` (on `value`'s device) supplies the noise; None draws from the global RNG."""
-    bits = value.view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, device=bits.device, dtype=torch.int32, generator=generator)
-    # Adding the noise carries into the kept bits with probability remainder / 2^16; truncating then
-    # rounds toward zero (for negative numbers the bit pattern is sign-magnitude, so this is symmetric).
-    rounded = (bits + noise) & -65536  # 0xFFFF0000 as a signed int32
-    target.copy_(rounded.view(torch.float32))  # exact: the low 16 bits are zero
+def round_bits(value: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The bf16 stochastic rounding of fp32 `value` as an fp32 tensor (exactly a bf16 value): `noise` in [0, 2^16)
+    added to the low 16 bits of the fp32 pattern carries into the kept bits with probability remainder / 2^16;
+    truncating then rounds toward zero (for negative numbers the bit pattern is sign-magnitude, so this is
+    symmetric)."""
+    return ((value.view(torch.int32) + noise) & -65536).view(torch.float32)  # 0xFFFF0000 as a signed int32
+
+
+def stochastic_round_(target: torch.Tensor, value: torch.Tensor, noise: torch.Tensor | None = None) -> None:
+    """Write fp32 `value` into bf16 `target`, rounding up or down with probability proportional to the distance
+    (unbiased). `noise`: int32 in [0, 2^16) shaped as `value`; None draws it from the global RNG."""
+    if noise is None:
+        noise = torch.randint(0, 1 << 16, value.shape, device=value.device, dtype=torch.int32)
+    target.copy_(round_bits(value, noise))  # exact: the low 16 bits are zero
+
+
+def adamw_bf16_(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    hyper: torch.Tensor,
+    key: torch.Tensor,
+    offset: int = 0,
+) -> None:
+    """One AdamW update in fp32 of flat `w` (weights), `m`, `v` (moments) from `g`, written back stochastically
+    rounded where they are bf16, exactly where they are fp32. `hyper`: [step size, bias correction of sqrt(v),
+    weight decay factor, eps, beta1, beta2] (fp32, on w's device: values, not constants, so a compiled kernel
+    serves every step); `key`: 2 int32 noise keys; `offset`: the index of w[0] in its parameter (eager chunks)."""
+    step_size, root_correction, decay, eps, beta1, beta2 = hyper.unbind()
+    g32 = g.float()
+    m32 = m.float().lerp(g32, 1 - beta1)
+    v32 = v.float() * beta2 + (1 - beta2) * g32 * g32
+    w32 = w.float() * decay - step_size * m32 / (v32.sqrt() / root_correction + eps)
+    if w.dtype != torch.bfloat16:  # fp32 parameters (adapters): torch.optim.AdamW's update, no rounding
+        w.copy_(w32), m.copy_(m32), v.copy_(v32)
+        return
+    index = torch.arange(offset, offset + w.numel(), device=w.device, dtype=torch.int32)
+    bits = hashed_bits(index, key[0], key[1])  # 32 bits: the weight's noise and the first moment's
+    w.copy_(round_bits(w32, bits & 0xFFFF))
+    m.copy_(round_bits(m32, (bits >> 16) & 0xFFFF))
+    v.copy_(round_bits(v32, mix(bits ^ 0x5BD1E995) & 0xFFFF))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -48,13 +94,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def noise_seed(seed: int, param_index: int, step: int, chunk: int, shard: tuple[int, ...] = ()) -> int:
-    """The rounding-noise seed of one chunk of one parameter at one step: the same on every process that holds
-    the same elements (DDP replicas), different wherever the elements differ (parameters, chunks, FSDP2 shards)
-    and from step to step (noise repeated across steps would bias the rounding of slowly moving weights)."""
-    key = repr((seed, param_index, step, chunk, shard)).encode()
-    # blake2b rather than hash(): Python salts str hashes per process, and the seeds must agree across processes.
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1  # < 2^63: manual_seed's range
+def noise_key(seed: int, param_index: int, step: int, shard: tuple[int, ...] = ()) -> tuple[int, int]:
+    """The rounding-noise key (2 int32) of one parameter at one step: the same on every process that holds the
+    same elements (DDP replicas), different wherever the elements differ (parameters, FSDP2 shards) and from step
+    to step (noise repeated across steps would bias the rounding of slowly moving weights)."""
+    key = repr((seed, param_index, step, shard)).encode()
+    # blake2b rather than hash(): Python salts str hashes per process, and the keys must agree across processes.
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return tuple(int.from_bytes(digest[i : i + 4], "little", signed=True) for i in (0, 4))  # type: ignore[return-value]
 
 
 def _shard_index(t: torch.Tensor) -> tuple[int, ...]:
@@ -68,12 +115,46 @@ def _shard_index(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(c for c, placement in zip(coordinate, placements, strict=False) if placement.is_shard())
 
 
+def _eager_step(w, g, m, v, hyper, key) -> None:  # noqa: ANN001 (adamw_bf16_'s arguments)
+    for i in range(0, w.numel(), CHUNK):
+        part = slice(i, i + CHUNK)
+        adamw_bf16_(w[part], g[part], m[part], v[part], hyper, key, offset=i)
+
+
+class FusedStep:
+    """`adamw_bf16_` compiled once for every parameter size (dynamic shapes), or run eagerly in chunks where it
+    cannot compile. A failed compile is logged once and not retried."""
+
+    def __init__(self) -> None:
+        self.compiled: Callable[..., None] | None = None
+        self.failed = False
+
+    def __call__(self, w, g, m, v, hyper, key) -> None:  # noqa: ANN001 (adamw_bf16_'s arguments)
+        # Dynamo refuses to trace under a Python dispatch mode (the memory tracker, the estimator's fake tensors):
+        # those see the eager step, whose chunked temporaries bound the compiled one's (none) from above.
+        if self.failed or _get_current_dispatch_mode() is not None:
+            return _eager_step(w, g, m, v, hyper, key)
+        if self.compiled is None:
+            # emulate_precision_casts: the fp32 -> bf16 casts stay casts inside the kernel, as in eager.
+            self.compiled = torch.compile(
+                adamw_bf16_, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
+            )
+        try:
+            self.compiled(w, g, m, v, hyper, key)
+        except Exception as err:  # no C++ compiler, no Triton, an unsupported backend: the eager step is exact
+            why = f"{type(err).__name__}: {str(err)[:200]}"
+            log.warning("BF16AdamW: compiling the fused step failed (%s); stepping eagerly", why)
+            self.failed = True
+            _eager_step(w, g, m, v, hyper, key)
+
+
 class BF16AdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) computed in fp32, with bf16 weights and moments stochastically
     rounded; fp32 parameters (adapters, norms kept in fp32) are updated exactly as `torch.optim.AdamW`.
 
     `seed` (the same on every process) seeds the rounding noise (see the module docstring); it is a
     hyperparameter of each group, so it travels in `state_dict()` with the per-parameter `step` it is mixed with.
+    `compile`: fuse each parameter's update into one kernel (False: the eager step, chunk by chunk).
     """
 
     def __init__(
@@ -84,10 +165,11 @@ class BF16AdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.01,
         seed: int = 0,
+        compile: bool = True,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "seed": seed}
         super().__init__(params, defaults)
-        self._generators: dict[torch.device, torch.Generator] = {}  # reseeded per chunk: they carry no state
+        self._fused = FusedStep() if compile else None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # load_state_dict replaces the groups with the saved ones: a checkpoint written before groups carried a
@@ -95,12 +177,7 @@ class BF16AdamW(torch.optim.Optimizer):
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("seed", self.defaults["seed"])
-        self.__dict__.setdefault("_generators", {})
-
-    def _generator(self, device: torch.device, seed: int) -> torch.Generator:
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device)
-        return self._generators[device].manual_seed(seed)
+        self.__dict__.setdefault("_fused", FusedStep())
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -111,39 +188,41 @@ class BF16AdamW(torch.optim.Optimizer):
         # Parameters are numbered across groups as state_dict() numbers them: the same on every process.
         index = -1
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+            todo = []
             for p in group["params"]:
                 index += 1
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-                t = state["step"]
-                step_size = group["lr"] / (1 - beta1**t)
-                root_correction = (1 - beta2**t) ** 0.5
-                decay = 1 - group["lr"] * group["weight_decay"]
-                flat = [_local(x).view(-1) for x in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
-                shard = _shard_index(p)
-                for chunk, (w, g, m, v) in enumerate(zip(*(x.split(CHUNK) for x in flat), strict=True)):
-                    g32 = g.float()
-                    m32 = m.float().lerp_(g32, 1 - beta1)
-                    v32 = v.float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
-                    w32 = w.float().mul_(decay)
-                    w32.addcdiv_(m32, v32.sqrt().div_(root_correction).add_(group["eps"]), value=-step_size)
-                    generator = None
-                    for target, value in ((w, w32), (m, m32), (v, v32)):
-                        if target.dtype != torch.bfloat16:
-                            target.copy_(value)
-                            continue
-                        if generator is None:  # fp32 parameters draw nothing: no seeding for them
-                            seed = noise_seed(group["seed"], index, t, chunk, shard)
-                            generator = self._generator(w.device, seed)
-                        stochastic_round_(target, value, generator)
+                if p.grad is not None:
+                    todo.append((index, p))
+            if todo:
+                self._step_group(group, todo)
         return loss
+
+    def _step_group(self, group: dict[str, Any], todo: list[tuple[int, torch.Tensor]]) -> None:
+        """Every parameter of a group, its hyperparameters and noise keys sent to the device in one copy each."""
+        beta1, beta2 = group["betas"]
+        rows, keys = [], []
+        for index, p in todo:
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += 1
+            t = state["step"]
+            rows.append(
+                [group["lr"] / (1 - beta1**t), (1 - beta2**t) ** 0.5, 1 - group["lr"] * group["weight_decay"],
+                 group["eps"], beta1, beta2]
+            )  # fmt: skip
+            keys.append(noise_key(group["seed"], index, t, _shard_index(p)))
+        device = _local(todo[0][1]).device
+        hyper = torch.tensor(rows, dtype=torch.float32).to(device, non_blocking=True)
+        key = torch.tensor(keys, dtype=torch.int32).to(device, non_blocking=True)
+        step = self._fused or _eager_step
+        for i, (_, p) in enumerate(todo):
+            state = self.state[p]
+            w, g, m, v = (_local(x).view(-1) for x in (p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
+            # Rows cloned to offset 0: a view's storage offset would be a guard, and each new one a recompile.
+            step(w, g, m, v, hyper[i].clone(), key[i].clone())
 
 
 def optimizer_choice(optimizer: str, precision: str, peft_method: str, adapter_dtype: str = "fp32") -> str:

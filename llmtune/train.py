@@ -22,6 +22,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from llmtune import checkpoint, parallel, rundir
 from llmtune.data import DataError, batch_for_step, eval_batches, prepare_data, squared_lengths
+from llmtune.data.batch import to_device
 from llmtune.errors import EXIT_PREEMPTED
 from llmtune.launch import make_accelerator
 from llmtune.loss import resolve_loss_impl
@@ -350,7 +351,7 @@ def train_step(run: Run, examples: list[dict]) -> StepResult | None:
     oom = False
     try:
         for i, batch in enumerate(micro_batches):
-            batch = {k: v.to(acc.device) for k, v in batch.items()}
+            batch = to_device(batch, acc.device)
             with parallel.micro_step(acc, run.engine, model, last=i == len(micro_batches) - 1):
                 out = model(**batch).reshape(-1)
                 parallel.backward(acc, run.engine, out[0] * scale)
@@ -402,7 +403,7 @@ def evaluate(run: Run) -> float:
     for examples in batches:
         batch = collate_for(run, examples)
         units += run.objective.units(batch)
-        loss_sum += model(**{k: v.to(acc.device) for k, v in batch.items()}).reshape(-1)[0].float()
+        loss_sum += model(**to_device(batch, acc.device)).reshape(-1)[0].float()
     model.train()
     return float(acc.reduce(loss_sum, reduction="sum") / acc.reduce(units, reduction="sum").clamp(min=1))
 

@@ -4,6 +4,7 @@ its KL reference, a reward that never varies)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -136,6 +137,119 @@ def test_a_completion_is_the_same_whatever_the_rest_of_its_batch(tokenizer):
     )
     assert crowd[2] == alone[0]
     assert len({tuple(c) for c in crowd}) > 1, "other seeds give other completions"
+
+
+def test_sampling_noise_is_drawn_where_the_scores_are_with_no_copy_per_token():
+    """Scores on another device (meta: shapes only): after the call's first token, whose row keys travel once, the
+    sampler makes no tensor on the host, so no per-token host draw nor host-to-device copy."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostTensors(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if any(
+                isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in torch.utils._pytree.tree_leaves(out)
+            ):
+                self.ops.append(str(func))
+            return out
+
+    sampler = grpo.GumbelSampling(range(4), temperature=0.7, top_p=0.9)
+    scores = torch.empty(4, 1000, device="meta")
+    sampler(None, scores)
+    with HostTensors() as host:
+        for _ in range(3):
+            assert sampler(None, scores).device.type == "meta"
+    assert host.ops == []
+
+
+def test_one_generate_call_samples_prompts_of_every_length_each_as_alone(tokenizer):
+    """Prompts of four lengths in one `generate` call (left-padded; one call per length before): each row's tokens
+    are those it samples alone, with its seed."""
+    model = tiny_model(tokenizer)
+    prompts = [tokenizer(t)["input_ids"] for t in ("hi", "tell me a story", "a b", "tell me a long story now")]
+    assert len({len(p) for p in prompts}) == 4
+    cfg, stop = GRPOConfig(max_new_tokens=6), [tokenizer.eos_token_id]
+    calls = []
+    generate = model.generate
+    model.generate = lambda *a, **k: calls.append(1) or generate(*a, **k)
+    together = grpo.generate_completions(model, grpo.Sampling(prompts, [5, 6, 7, 8], cfg, stop, 0, 8, synced=False))
+    assert len(calls) == 1
+    alone = [
+        grpo.generate_completions(model, grpo.Sampling([p], [seed], cfg, stop, 0, 8, synced=False))[0]
+        for p, seed in zip(prompts, [5, 6, 7, 8], strict=True)
+    ]
+    assert together == alone
+    assert len({tuple(c) for c in together}) > 1
+
+
+FSDP2_ROLLOUT = """
+import json, sys
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+from transformers import LlamaConfig, LlamaForCausalLM
+from llmtune import grpo
+from llmtune.recipe import GRPOConfig
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+model = LlamaForCausalLM(config).eval()
+alone = LlamaForCausalLM(config).eval()
+alone.load_state_dict(model.state_dict())
+wrapped = grpo.GRPOModel(model, "chunked", GRPOConfig(), "none")
+for layer in model.model.layers:
+    fully_shard(layer)
+fully_shard(wrapped)
+gathers = []
+counted = _fsdp_param_group.foreach_all_gather
+_fsdp_param_group.foreach_all_gather = lambda *a, **k: gathers.append(1) or counted(*a, **k)
+prompts = [[3 + rank, 4, 5], [6, 7 + rank, 8, 9, 10]]  # each process its own prompts
+out = {}
+for new in (1, 2, 9):  # the first leaves the root gathered, as FSDP2 leaves a root after a no-grad forward
+    gathers.clear()
+    sample = grpo.Sampling(prompts, [rank, 10 + rank], GRPOConfig(max_new_tokens=new), [99], 0, 8, synced=False)
+    with torch.no_grad():
+        sharded = wrapped(sample=sample)
+    out[new] = {"gathers": len(gathers), "same": sharded == grpo.generate_completions(alone, sample),
+                "lengths": [len(c) for c in sharded]}
+out["resharded"] = all(isinstance(p, DTensor) for p in model.model.layers.parameters())
+with open(sys.argv[1] + f".{rank}", "w") as f:
+    json.dump(out, f)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fsdp2_rollouts_gather_the_weights_once_whatever_the_completion_length(tmp_path):
+    """Two gloo processes, a tiny Llama sharded by FSDP2 (blocks, then the root): a rollout all-gathers each sharded
+    block once, for 2 new tokens as for 9 (every block at every token before, and synced forwards), samples what
+    the unsharded model samples, and leaves the blocks sharded (the root stays gathered after a no-grad forward, as
+    FSDP2 keeps a root until backward)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "rollout.py"
+    script.write_text(FSDP2_ROLLOUT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+               str(tmp_path / "out")]  # fmt: skip
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        out = json.loads((tmp_path / f"out.{rank}").read_text())
+        assert out["2"]["lengths"] == [2, 2] and out["9"]["lengths"] == [9, 9]
+        assert out["2"]["gathers"] == out["9"]["gathers"] == 2, out  # each block once
+        assert out["2"]["same"] and out["9"]["same"]
+        assert out["resharded"]
 
 
 # ---------------------------------------------------------------- rewards

@@ -178,8 +178,9 @@ def test_generation_peak_worked_example_llama3_8b_shape():
     # one layer's old key beside the cache, 1/64 of it = 10 MB, and 8 bytes a logit of the step before: 29 MB).
     short = generation_peak(cfg, rows=16, prompt_tokens=64, max_new_tokens=256, precision="bf16-true")
     assert short.peak_phase == "sampling"
+    # The sampler's int32 token ids (its noise's counters), 4 bytes a vocabulary entry, live for the call.
     assert short.breakdown == {"resident": 0, "kv_cache": 319 * 16 * per_token, "logits_and_sampling": 16 * 128256 * 26,
-                               "ids": 4 * 16 * 320 * 8}  # fmt: skip
+                               "noise_counters": 4 * 128256, "ids": 4 * 16 * 320 * 8}  # fmt: skip
     # 1024 new tokens: that old key (36 MB) and the decode forward's 54 MB overtake sampling's 53 MB.
     assert generation_peak(cfg, rows=16, prompt_tokens=64, max_new_tokens=1024).peak_phase == "decode forward"
 

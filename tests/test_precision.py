@@ -102,14 +102,14 @@ def test_fp16_overflow_is_detected_from_the_scaler(fused, device):
         if overflow:
             model.weight.grad[0, 0] = float("inf")
         before = model.weight.detach().clone()
-        skipped = optimizer_step(opt, scaler)
+        skipped = bool(optimizer_step(opt, scaler)[1])  # [the scale it ran at, skipped], read once by the loop
         assert torch.equal(before, model.weight.detach()) == skipped  # skipped <=> weights unchanged
         opt.zero_grad()
         return skipped
 
     assert [step(o) for o in (False, True, False, True)] == [False, True, False, True]
     assert scaler.get_scale() == 2.0**14  # halved twice
-    assert optimizer_step(torch.optim.SGD(model.parameters(), lr=0.1), None) is False  # no scaler: never skipped
+    assert optimizer_step(torch.optim.SGD(model.parameters(), lr=0.1), None) is None  # no scaler: nothing to skip
 
 
 def bf16_steps(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], grads: list[list[torch.Tensor]]) -> None:
@@ -186,3 +186,47 @@ def test_fsdp2_reduces_gradients_in_fp32_whatever_the_weights_dtype(precision, t
         assert {g._reduce_dtype for g in groups} == {torch.float32}
     finally:
         dist.destroy_process_group()
+
+
+def _bf16_params(numel: int, count: int = 3, seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter((torch.randn(numel, generator=g) * 0.02).bfloat16()) for _ in range(count)]
+    for p in params:
+        p.grad = (torch.randn(numel, generator=g) * 1e-3).bfloat16()
+    return params
+
+
+def test_bf16_adamw_launches_one_fused_kernel_per_parameter_whatever_its_size(monkeypatch):
+    """The eager update ran ~15 kernels and 3 random passes per 4M-element chunk (~10k launches a step on a 1B
+    model); fused, a parameter's update is one kernel whatever its chunk count (CHUNK shrunk: 1 and 16 chunks)."""
+    from benchmarks.optimizer import launches
+    from llmtune import optim
+
+    monkeypatch.setattr(optim, "CHUNK", 256)
+    counts = []
+    for numel in (200, 4000):
+        opt = BF16AdamW(_bf16_params(numel), lr=1e-4)
+        opt.step()  # states, and the compile
+        counts.append(launches(opt))
+    # Per parameter the fused kernel and its two rows of hyperparameters and keys; per group their two copies.
+    assert counts[0] == counts[1] <= 3 * 3 + 4, counts
+
+
+def test_bf16_adamw_fused_and_eager_steps_round_alike(monkeypatch):
+    """The noise is a function of each element's index, so the compiled kernel (whole parameters) and the eager
+    fallback (chunks) draw the same; their fp32 math may differ in the last bit (the compiler contracts a * b + c
+    into one rounding), which flips a rounding only where the value sits that close to a bf16 boundary."""
+    from llmtune import optim
+
+    monkeypatch.setattr(optim, "CHUNK", 256)  # the eager step crosses chunk boundaries
+    fused, eager = _bf16_params(1000, seed=3), _bf16_params(1000, seed=3)
+    opts = BF16AdamW(fused, lr=1e-3, seed=5), BF16AdamW(eager, lr=1e-3, seed=5, compile=False)
+    for _ in range(3):
+        for opt in opts:
+            opt.step()
+    assert not opts[0]._fused.failed
+    pairs = [(a, b) for a, b in zip(fused, eager, strict=True)]
+    pairs += [(opts[0].state[a][k], opts[1].state[b][k]) for a, b in pairs for k in ("exp_avg", "exp_avg_sq")]
+    differ = sum(int((a != b).sum()) for a, b in pairs)
+    assert differ <= 0.002 * 9000, f"{differ} of 9000 elements rounded differently"
+    assert not torch.equal(fused[0], _bf16_params(1000, seed=3)[0]), "it did train"

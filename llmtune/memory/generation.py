@@ -8,6 +8,8 @@ A closed form, from what transformers 5's `generate` (generation/utils.py `_samp
   by `zero_grad(set_to_none=True)` before the rollout) -- `generation_resident` takes it from the training estimate.
   Under autocast (mixed precision without sharding) its cache of cast weights lives for the whole call: autocast
   caches the cast of every fp32 leaf that requires grad, under `no_grad` too, until the outermost autocast exits.
+* under FSDP2, the whole model's weights, all-gathered once for the rollout (llmtune.grpo.gathered_once) beside
+  the shards training keeps.
 * the KV cache: per layer a key and a value [rows, kv_heads, tokens, head_dim]. `DynamicLayer.update` grows them by
   `torch.cat` each step, so while a layer updates, its old key (or value) lives beside the new one. Its last forward
   holds prompt + max_new_tokens - 1 tokens (the last token is sampled, never fed back). Under autocast the keys are
@@ -20,8 +22,9 @@ A closed form, from what transformers 5's `generate` (generation/utils.py `_samp
   matmul and freed after it (`weight_cast_bytes`).
 * sampling, at every step: the model's logits [rows, vocab] (the compute dtype), `next_token_logits` (an fp32 copy),
   the previous step's scores (still bound in `_sample` while the processor runs), and what llmtune.grpo's
-  `GumbelSampling` makes: scores / T, the per-row uniforms and their stack, clamp and log of the Gumbel noise, and
-  the sum -- at most 24 bytes a logit beside the model's logits. top-p adds its sorted scores, the sort's int64
+  `GumbelSampling` makes: scores / T, the hashed int32 bits of its counter-based noise and their shifted copy, the
+  uniforms and their logs (in place), added into scores / T -- at most 24 bytes a logit beside the model's logits,
+  and the int32 token ids [vocab] it hashes, kept for the call. top-p adds its sorted scores, the sort's int64
   indices and the tail mask (13 bytes a logit), kept until the processor returns.
 * the decode forward: one token a row, with the previous step's fp32 logits and scores still bound (and, under
   LoRA's casts, the head's 16-bit copy).
@@ -31,7 +34,7 @@ Over-stated on purpose: under autocast the cast cache is taken whole from the st
 the last layer's down projection and the head are cast); every prompt is taken at data.max_length tokens.
 Not modelled: sliding-window layers (their cache stops growing at the window; over-stated here), mixture-of-experts
 MLPs (taken as a dense MLP of `intermediate_size`), the attention kernels' workspaces (flash / memory-efficient:
-small), FSDP2's root weights, unsharded for the call (sampling runs inside the root's forward), the CUDA
+small), the CUDA
 allocator's fragmentation by the growing cache beyond the training step's overhead (added as it is), and
 num_iterations > 1's forward of the completions for their old log-probs (a no-grad forward of a micro-batch: less
 than the training step).
@@ -215,15 +218,21 @@ def _phases(
             "activations": rows * forward_activation_bytes(s, w, 1, last, eager=eager, lora=lora),
             "weight_cast": weight_cast_bytes(s, w, lora, head=True),
             "logits_and_sampling": 2 * FP32 * logits,  # the previous step's next_token_logits and scores
+            "noise_counters": FP32 * s.vocab,  # GumbelSampling's int32 token ids, kept for the call
         },
-        "sampling": {"kv_cache": kv_cache_bytes(s, w, rows, last), "logits_and_sampling": per_logit * logits},
+        "sampling": {
+            "kv_cache": kv_cache_bytes(s, w, rows, last),
+            "logits_and_sampling": per_logit * logits,
+            "noise_counters": FP32 * s.vocab,
+        },
     }
 
 
 def generation_resident(training: Any) -> int:
     """What a training estimate (`MemoryEstimate`) says stays live into the rollout: each state's largest share in any
-    segment of the step (weights, optimizer states, a frozen reference, a sharding engine's gathered layers), the
-    autocast cache of the trainable weights' casts where autocast runs, and the CUDA allocator's overhead.
+    segment of the step (weights, optimizer states, a frozen reference, a sharding engine's gathered layers), under
+    FSDP2 the whole model gathered for the rollout, the autocast cache of the trainable weights' casts where autocast
+    runs, and the CUDA allocator's overhead.
 
     The autocast cache: a full fine-tune's is the step's own (`autocast_weight_copies`: every matmul weight);
     under LoRA the step also keeps the frozen base's casts for backward, which generation casts op by op
@@ -231,6 +240,11 @@ def generation_resident(training: Any) -> int:
     segments = training.segment_peaks.values()
     s = training.settings
     states = sum(max((seg.get(tag, 0) for seg in segments), default=0) for tag in STATE_TAGS)
+    if s["sharding"].startswith("fsdp") and s["num_processes"] > 1:
+        # llmtune.grpo.gathered_once: the whole model unsharded for the rollout beside its shards, gathered in the
+        # compute dtype (mixed precision: bf16 or fp16 copies of fp32 shards).
+        shards = max((seg.get("weights", 0) for seg in segments), default=0)
+        states += shards * s["num_processes"] // (2 if s["precision"] in ("bf16", "fp16") else 1)
     if generation_widths(s["precision"], s["sharding"]).autocast:
         if s.get("lora"):
             states += 2 * training.totals["trainable_parameters"]

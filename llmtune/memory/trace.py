@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from llmtune.attention import attention_for
 from llmtune.loss import decoder_of
 from llmtune.memory.allocator import reserved_peak
 from llmtune.memory.counter import SegmentPeak, TraceCounter
@@ -45,6 +46,11 @@ class Trace:
 
 def trace_step(config: Any, s: Settings, period: int) -> Trace:
     """Run one steady-state training step of `config` on fake tensors and record segment peaks."""
+    # The attention a run loads for these settings (packed SFT rows: each document alone, llmtune.attention).
+    packed = s.layout == "packed"
+    s = replace(
+        s, attn_implementation=attention_for(s.attn_implementation, packed=packed, objective=s.objective, config=config)
+    )
     fa2 = s.attn_implementation == "flash_attention_2"
     objective = objective_of(s)
     inputs = micro_batch(objective, s)
@@ -62,7 +68,7 @@ def trace_step(config: Any, s: Settings, period: int) -> Trace:
             "optimizer_states": _nbytes(state_tensors),
         }
         counter = _counter(model, plan, s)
-        batch = {k: fake.from_tensor(v) for k, v in inputs.items()}
+        batch = {k: _fake_input(fake, k, v) for k, v in inputs.items()}
         _register_states(counter, model, module, state_tensors, batch, s)
         handles = _segment_hooks(counter, model, trainable, layers or [], period)
         with _hooks(handles), counter, _counted_rng_states(counter) if s.device == "cpu" else nullcontext():
@@ -169,7 +175,19 @@ def _register_states(
     for v in state_tensors:
         counter.register(v, "optimizer_states")
     for v in batch.values():
-        counter.register(v, "inputs")
+        if isinstance(v, torch.Tensor):
+            counter.register(v, "inputs")
+
+
+def _fake_input(fake: FakeTensorMode, key: str, value: Any) -> Any:
+    """A micro-batch's value as the traced step takes it: tensors fake; a packed batch's document offsets fake with
+    their values (a CPU's per-document attention reads them on the host, `llmtune.attention`); its lengths (ints) as
+    they are."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key.startswith("cu_seq_lens"):
+        return fake.fake_tensor_converter.from_real_tensor(fake, value, make_constant=True)
+    return fake.from_tensor(value)
 
 
 def _segment_hooks(

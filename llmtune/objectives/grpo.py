@@ -119,7 +119,7 @@ class GRPO(Objective):
         acc, plan = ctx.accelerator, ctx.plan
         request = grpo.Sampling(
             prompts, seeds, self.cfg, self.stop, pad_id(ctx.tokenizer, self.stop), plan.generation_rows or len(prompts),
-            synced=acc.num_processes > 1 and ctx.engine in ("fsdp2", "zero3"),
+            synced=acc.num_processes > 1 and ctx.engine == "zero3",  # FSDP2 gathers once (grpo.gathered_once)
         )  # fmt: skip
         measured = acc.device.type == "cuda" or self.generations < 2
         tracker = PeakMemoryTracker(acc.device, baseline=[self.prepared, ctx.optimizer]) if measured else None
