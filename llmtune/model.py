@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from llmtune.attention import attention_for
 from llmtune.catalogue import MODELS, model_config_dir
 from llmtune.errors import UserError
 from llmtune.recipe import Checkpointing, ModelConfig, PeftConfig, Recipe, checkpointing_of
@@ -239,9 +240,18 @@ def load_model(
     config (no KV cache). Checkpointing, adapters and compilation are `llmtune.parallelize`'s."""
     cfg = recipe.model
     check_attn_implementation(config, cfg.attn_implementation)
+    # Packed SFT rows: each document's causal block alone, where sdpa would build a dense block mask per row.
+    attn = attention_for(
+        cfg.attn_implementation, packed=recipe.data.packing, objective=recipe.training.objective, config=config
+    )
+    if attn != cfg.attn_implementation:
+        log.info(
+            "attention: %s, each packed document's causal block alone (eager: a dense mask)",
+            attn,
+        )
     # Mixed precision keeps fp32 master weights; autocast makes the bf16/fp16 copies on the fly.
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
-    kwargs = dict(attn_implementation=cfg.attn_implementation, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    kwargs = dict(attn_implementation=attn, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     if recipe.peft.method == "qlora":
         from transformers import BitsAndBytesConfig
 

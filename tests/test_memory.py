@@ -13,12 +13,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
 
-from llmtune.data import collate
+from llmtune.attention import attention_for
+from llmtune.data.batch import to_device
 from llmtune.loss import CausalLMWithLoss
 from llmtune.memory import MemoryPlanError, default_budget, plan_micro_batch
 from llmtune.memory.estimate import LoraSpec, estimate
 from llmtune.memory.measure import PeakMemoryTracker
 from llmtune.model import apply_checkpointing, cast_trained
+from llmtune.objectives import objective_named
 from llmtune.optim import BF16AdamW
 from llmtune.recipe import Checkpointing
 from llmtune.units import format_bytes, parse_bytes
@@ -58,8 +60,9 @@ def tiny_config(arch: str, layers: int = 2):
 
 
 def real_batch(batch: int, seq_len: int, layout: str) -> dict[str, torch.Tensor]:
-    """A micro-batch as llmtune.data.collate makes it, every token trained: packed rows of two examples
-    each (position ids restart), or padded rows (the last one 8 tokens short, so there is a padding mask)."""
+    """A micro-batch as SFT's collate makes it, every token trained: packed rows of two examples each (position ids
+    restart, and their documents, `with_documents`), or padded rows (the last one 8 tokens short, so there is a
+    padding mask)."""
     g = torch.Generator().manual_seed(0)
     if layout == "packed":
         lengths = [[seq_len // 2 - 3 * i, seq_len - seq_len // 2 + 3 * i] for i in range(batch)]
@@ -69,7 +72,7 @@ def real_batch(batch: int, seq_len: int, layout: str) -> dict[str, torch.Tensor]
     for r in rows:
         r["input_ids"] = torch.randint(1, VOCAB, (len(r["position_ids"]),), generator=g).tolist()
         r["labels"] = r["input_ids"]
-    return collate(rows, pad_token_id=0, packed=layout == "packed")
+    return objective_named("sft").collate(rows, pad_token_id=0, packed=layout == "packed")
 
 
 def measured_peak(
@@ -89,6 +92,7 @@ def measured_peak(
 ) -> int:
     """Steady-state peak of real training steps: the peak of the 2nd optimizer step's window."""
     torch.manual_seed(0)
+    attn = attention_for(attn, packed=layout == "packed", objective="sft", config=config)  # as a run loads it
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
     model.config.use_cache = False
@@ -108,7 +112,7 @@ def measured_peak(
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = BF16AdamW(trainable, lr=1e-3) if optimizer == "adamw_bf16" else torch.optim.AdamW(trainable, lr=1e-3)
-    inputs = {k: v.to(device) for k, v in real_batch(batch, seq_len, layout).items()}
+    inputs = to_device(real_batch(batch, seq_len, layout), device)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
     step_module = CausalLMWithLoss(model, impl="chunked" if chunked else "hf", chunk_size=64)
 

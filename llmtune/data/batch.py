@@ -137,6 +137,40 @@ def collate(
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
 
 
+def with_documents(batch: dict[str, Any]) -> dict[str, Any]:
+    """A packed micro-batch with its documents, for attention that runs each one's causal block alone
+    (`llmtune.attention`, and transformers' flash_attention_2): the rows read as one flattened sequence, each
+    document and each row's padding one span, as `cu_seq_lens_q/k` (int32 offsets, [documents + 1]) and
+    `max_length_q/k` (the longest, a Python int). Computed here on the host, once per micro-batch, so that no
+    layer reads the position ids on the device to find them (a synchronisation). transformers' flash path reads
+    them at any micro-batch size; from position ids alone it keeps examples apart only at batch size 1."""
+    offsets = document_offsets(batch["position_ids"])
+    longest = int(offsets.diff().max())
+    return batch | {
+        "cu_seq_lens_q": offsets,
+        "cu_seq_lens_k": offsets,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
+
+
+def document_offsets(position_ids: torch.Tensor) -> torch.Tensor:
+    """int32 offsets of the documents of rows [B, L] read as one sequence of B x L: a document starts at every row
+    start and wherever the position does not follow the one before (it restarts), so none crosses a row."""
+    positions = position_ids.reshape(-1)
+    restart = torch.ones_like(positions, dtype=torch.bool)
+    restart[1:] = positions[1:] != positions[:-1] + 1
+    restart[:: position_ids.shape[-1]] = True
+    starts = restart.nonzero().reshape(-1)
+    end = torch.tensor([positions.numel()], device=positions.device)
+    return torch.cat([starts, end]).to(torch.int32)
+
+
+def to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+    """The batch's tensors on `device`; its other values (`with_documents`' lengths, Python ints) as they are."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def sequences_of(row: dict[str, Any]) -> list[tuple[int, int]]:
     """(start, end) of each sequence in a row, from its restarting position ids (one span without them)."""
     positions = row.get("position_ids")

@@ -11,12 +11,15 @@ source changes, so must the stand-in. These are checked on a GPU by benchmarks/g
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
+
+from llmtune.attention import planned_device
 
 # bitsandbytes 0.4x/0.5x `quantize_4bit` (NF4, as llmtune.model.load_model asks for it): blocks of 64
 # weights share one absmax; with double quantisation those absmaxes are themselves quantised to uint8 in
@@ -283,6 +286,48 @@ class _SdpaMemory(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+try:  # torch >= 2.10: importing it registers the torch_attn ops
+    import torch.nn.attention.varlen  # noqa: F401
+
+    _VARLEN = torch.ops.torch_attn._varlen_attn
+except (ImportError, AttributeError):
+    _VARLEN = None
+
+
+class _VarlenMemory(torch.autograd.Function):
+    """Flash's varlen attention (torch's `torch.nn.attention.varlen.varlen_attn`, run by `llmtune.attention` on packed
+    rows) as far as memory goes: forward and backward are torch's own ops (their fake kernels: the output, an fp32
+    log-sum-exp [H, total], what `_setup_context` saves), and backward allocates `mha_varlen_bwd`'s workspaces on top
+    (cuda/flash_attn/flash_api.cpp: `softmax_d` fp32 [H, total + 128 x documents] and `dq_accum` fp32
+    [total + 128 x documents, H, head dim rounded to 32, or 64 over 128]); with GQA, `dk_expanded` / `dv_expanded` at
+    the query's heads. No [B, 1, L, L] mask: there is none."""
+
+    @staticmethod
+    def forward(ctx: Any, q: T, k: T, v: T, cu_q: T, cu_k: T | None, max_q: int, max_k: int, *rest: Any) -> T:
+        # `rest`: the op's is_causal, scale, window_size, enable_gqa, ... as varlen_attn passes them (positionally).
+        out, lse, rng = _VARLEN.default(q, k, v, cu_q, cu_k, max_q, max_k, *rest)
+        ctx.save_for_backward(q, k, v, cu_q, cu_q if cu_k is None else cu_k, out, lse, rng)
+        ctx.max, ctx.rest = (max_q, max_k), rest
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: T) -> tuple[Any, ...]:
+        q, k, v, cu_q, cu_k, out, lse, rng = ctx.saved_tensors
+        is_causal, scale, window = (*ctx.rest, False, None, None)[:3]
+        total, h, d = q.shape
+        padded = total + 128 * (cu_q.shape[0] - 1)
+        workspace = [
+            q.new_empty((h, padded), dtype=torch.float32),  # softmax_d
+            q.new_empty((padded, h, _round_up(d, 32 if d <= 128 else 64)), dtype=torch.float32),  # dq_accum
+        ]
+        if k.shape[1] != h:  # dk_expanded, dv_expanded
+            workspace += [k.new_empty((k.shape[0], h, d)), v.new_empty((v.shape[0], h, v.shape[-1]))]
+        backward = torch.ops.torch_attn._varlen_attn_backward
+        dq, dk, dv = backward(grad, q, k, v, out, lse, cu_q, cu_k, *ctx.max, is_causal, rng, scale, window)
+        del workspace
+        return dq, dk, dv, *([None] * (4 + len(ctx.rest)))
+
+
 class CudaKernels(TorchFunctionMode):
     """Inside a CPU-autocast trace: CUDA autocast's op lists where they differ from CPU's, and SDPA as the
     kernel CUDA would pick on a card of compute `capability` (None: sm80/sm90) keeps and allocates it
@@ -291,11 +336,24 @@ class CudaKernels(TorchFunctionMode):
     def __init__(self, capability: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.capability = capability
+        self._planned = contextlib.ExitStack()
+
+    def __enter__(self) -> CudaKernels:
+        # llmtune.attention picks its packed-row kernel as on a GPU (flash's varlen) for these CPU fake tensors.
+        self._planned.enter_context(planned_device("cuda"))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._planned.close()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self._sdpa(*args, **kwargs)
+        if _VARLEN is not None and func in (_VARLEN, _VARLEN.default):
+            out = _VarlenMemory.apply(*args, *kwargs.values())
+            return out, None, None  # the op's log-sum-exp and RNG state: varlen_attn reads neither
         lower = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
         if lower is not None and func in _CUDA_FP32:
             args, kwargs = _cast((args, kwargs), torch.float32)

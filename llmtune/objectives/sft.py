@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llmtune.data import collate
-from llmtune.loss import CausalLMWithLoss
+from llmtune.data.batch import with_documents
+from llmtune.loss import CausalLMWithLoss, loss_rows
 from llmtune.objectives.base import FromData, Objective, trained_tokens
 
 if TYPE_CHECKING:
@@ -24,7 +25,16 @@ class SFT(FromData, Objective):
     ) -> torch.nn.Module:
         return CausalLMWithLoss(model, loss_impl, chunk_size)
 
-    collate = staticmethod(collate)
+    @staticmethod
+    def collate(
+        examples: list[dict], *, pad_token_id: int, packed: bool, pad_to_multiple_of: int | None = None
+    ) -> dict[str, Any]:
+        """`llmtune.data.collate`'s micro-batch; packed, with its documents (`with_documents`): the attention
+        implementations that read them (llmtune.attention's, flash_attention_2) run each document alone. With the
+        trained rows (`loss_rows`), found here on the host so that the loss never waits for the device."""
+        batch = collate(examples, pad_token_id=pad_token_id, packed=packed, pad_to_multiple_of=pad_to_multiple_of)
+        batch["loss_rows"] = loss_rows(batch["labels"])
+        return with_documents(batch) if packed else batch
 
     def longest_example(self, length: int, packed: bool) -> dict:
         """A row of `length` tokens, every one trained."""
