@@ -333,6 +333,7 @@ def estimate_for(run: Any, *, micro: int, seq_len: int) -> Any:
     loss = resolve_loss_impl(r.training.loss, config)
     settings = estimate_settings(r, loss=loss, device=run.accelerator.device.type, precision=run.precision)
     accum = -(-r.training.global_batch_size // micro)
+    settings["chunk_size"] = run.plan.chunk_rows  # the loss chunk the run trains with
     return estimate(config, micro_batch_size=micro, seq_len=seq_len, grad_accum_steps=accum, **settings)
 
 

@@ -11,11 +11,18 @@ training. "ckpt" is the alternative design: torch.utils.checkpoint around each c
     .venv/bin/python -m benchmarks.loss                 # the full grid: 18 min on 2 busy cores (load ~8)
     .venv/bin/python -m benchmarks.loss --tokens 2048   # ~2-3 min subset
     .venv/bin/python -m benchmarks.loss --tokens 2048 --lora-rank 16   # -> loss_cpu_lora_head.json
+    .venv/bin/python -m benchmarks.loss --head-traffic  # -> loss_head_traffic.json, seconds
+
+`--head-traffic` runs no matmul: it traces one forward+backward of the chunked loss on fake tensors at Llama-3.2-1B's
+head (vocab 128256, hidden 2048) over 8 x 2048 packed tokens, bf16 autocast, and counts what a GPU pays for there
+(`HeadTraffic`): how often the head weight is read, what is allocated at its size, the host syncs; at the chunk each
+rule gives (the CPU's, the H100's and H200's plans).
 
 The N=8192, V=128256 cell alone is ~3/4 of the full run: 3 matmuls of 2*N*V*h = 1 TFLOP each per
 implementation, at ~60 GFLOP/s fp32 on 2 cores.
 
-Writes benchmarks/results/loss_cpu.json (loss_cpu_lora_head.json with --lora-rank).
+Writes benchmarks/results/loss_cpu.json (loss_cpu_lora_head.json with --lora-rank, loss_head_traffic.json with
+--head-traffic).
 """
 
 from __future__ import annotations
@@ -30,14 +37,69 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from benchmarks import RESULTS
-from llmtune.loss import LowRank, chunked_cross_entropy
+from llmtune.loss import LowRank, chunked_cross_entropy, loss_rows
 from llmtune.memory.measure import PeakMemoryTracker
 
 OUTPUT = RESULTS / "loss_cpu.json"
+# Ops that make the host wait for the device: a value read back, or an output whose size depends on the data.
+HOST_SYNCS = frozenset(
+    {torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero, torch.ops.aten.item, torch.ops.aten.is_nonzero}
+)
+
+
+class HeadTraffic(TorchDispatchMode):
+    """What a step does with the lm_head `weight` and with the host, op by op: `reads`, the ops that read the weight
+    (or a cast copy of it, the matmuls' operand under autocast); `allocated`, the dtypes of the tensors allocated
+    with the weight's shape (V x h); `syncs`, the host synchronisations (`HOST_SYNCS`), those in the
+    forward of `decoder` (transformers' mask creation, not the loss's) left out. Works on fake tensors."""
+
+    def __init__(self, weight: torch.Tensor, decoder: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.weight_storages = {_storage(weight)}
+        self.shape = weight.shape
+        self.reads = 0
+        self.allocated: list[torch.dtype] = []
+        self.syncs: list[str] = []
+        self.in_decoder = False
+        self.hooks = []
+        if decoder is not None:
+            self.hooks = [
+                decoder.register_forward_pre_hook(lambda *_: setattr(self, "in_decoder", True)),
+                decoder.register_forward_hook(lambda *_: setattr(self, "in_decoder", False)),
+            ]
+
+    def __exit__(self, *exc: object) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func._overloadpacket in HOST_SYNCS and not self.in_decoder:
+            self.syncs.append(str(func))
+        if func.is_view or func.namespace == "prim":  # views and metadata (a fake tensor's device) read nothing
+            return out
+        inputs = {_storage(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        if inputs & self.weight_storages:
+            self.reads += 1
+            if func._overloadpacket is torch.ops.aten._to_copy:  # the cast copy is what the matmuls read
+                self.weight_storages.add(_storage(out))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.shape == self.shape and _storage(t) not in inputs:
+                self.allocated.append(t.dtype)
+        return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    return StorageWeakRef(t.untyped_storage()).cdata
 
 
 def hf_loss(hidden, weight, labels, chunk_size, lora=None):
@@ -87,6 +149,62 @@ def run_one(impl, n, v, h, precision, chunk_size, lora_rank=0, seed=0):
     return {"seconds": seconds, "peak_bytes": counter.peak_bytes - counter.entry_bytes, "loss": loss.item()}
 
 
+def head_traffic(chunk: int, rows: int = 8, length: int = 2048, vocab: int = 128256, hidden: int = 2048) -> dict:
+    """`HeadTraffic` of the chunked loss at `chunk` rows, traced on fake tensors: `rows` x `length` packed tokens,
+    each row's last without a target, bf16 autocast, the head weight trained."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    labels = torch.ones(rows, length, dtype=torch.long)
+    targets = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+    trained = loss_rows(labels)  # on the host, as collation finds them
+    with FakeTensorMode() as fake:
+        h = torch.empty(rows * length, hidden, requires_grad=True)
+        w = torch.empty(vocab, hidden, requires_grad=True)
+        targets, trained_fake = fake.from_tensor(targets), fake.from_tensor(trained)
+        with torch.autocast("cpu", dtype=torch.bfloat16), HeadTraffic(w) as traffic:
+            chunked_cross_entropy(h, w, targets, rows=trained_fake, chunk_size=chunk).backward()
+    return {
+        "chunk_rows": chunk,
+        "trained_tokens": trained.numel(),
+        "chunks": -(-trained.numel() // chunk),
+        "head_weight_reads": traffic.reads,
+        "weight_sized_allocations": [str(d) for d in traffic.allocated],
+        "host_syncs": traffic.syncs,
+    }
+
+
+def head_traffic_main() -> None:
+    """`--head-traffic`: `head_traffic` at the chunk of each rule, written to loss_head_traffic.json."""
+    from transformers import LlamaConfig
+
+    from llmtune.catalogue import gpu_memory
+    from llmtune.memory import loss_chunk_rows, planning_target
+
+    config = LlamaConfig(vocab_size=128256, hidden_size=2048)  # Llama-3.2-1B's head
+    rules = {"cpu (what every device ran before)": loss_chunk_rows(config, device="cpu", gpu=None, budget_bytes=None)}
+    for card in ("h100-80gb", "h200"):
+        budget = planning_target(device_memory=None, gpu=card, device=None).budget_bytes
+        rules[f"{card} plan ({gpu_memory(card) // 2**30} GiB card)"] = loss_chunk_rows(
+            config, device="cuda", gpu=card, budget_bytes=budget
+        )
+    rows = []
+    for rule, chunk in rules.items():
+        rows.append({"rule": rule, **head_traffic(chunk)})
+        r = rows[-1]
+        print(f"{rule:>40}: {chunk:>5} rows, {r['chunks']:>4} chunks, head weight read {r['head_weight_reads']:>4}x,"
+              f" V x h allocated {r['weight_sized_allocations']}, host syncs {r['host_syncs']}")  # fmt: skip
+    meta = {
+        "command": "python -m benchmarks.loss --head-traffic",
+        "torch": torch.__version__,
+        "note": "traced on fake tensors (no matmul runs): counts, not times. On a CPU the V x h weight gradient's"
+        " 16-bit product is made in blocks no larger than the chunk's gradient, V x h where the chunk has at least"
+        " hidden rows; on CUDA it is accumulated by a matmul that writes fp32 (no product), which no CPU runs.",
+    }
+    out = RESULTS / "loss_head_traffic.json"
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
@@ -105,7 +223,11 @@ def main(argv=None):
     p.add_argument("--ckpt-max-tokens", type=int, default=2048, help="run the checkpoint design up to this N")
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA of this rank on the lm_head of both (no ckpt)")
     p.add_argument("--out", type=Path, default=None, help=f"default {OUTPUT.name} (loss_cpu_lora_head.json with LoRA)")
+    p.add_argument("--head-traffic", action="store_true", help="only the head's traffic per rule (fake tensors)")
     args = p.parse_args(argv)
+    if args.head_traffic:
+        head_traffic_main()
+        return
     args.out = args.out or (OUTPUT.with_name("loss_cpu_lora_head.json") if args.lora_rank else OUTPUT)
 
     rows = []

@@ -245,12 +245,14 @@ def micro_batch_capacity(
       small model fits its whole batch in any setting; this shows how much room each setting leaves).
     Sequences are taken at data.max_length (the planner's worst case).
     """
-    from llmtune.memory import MemoryPlanError, plan_micro_batch
+    from llmtune.memory import MemoryPlanError, loss_chunk_rows, plan_micro_batch
     from llmtune.memory.estimate import estimate
     from llmtune.model import load_config
 
     config = load_config(recipe.model)
     kwargs = estimate_kwargs(recipe, precision, gradient_checkpointing, device_type)
+    # The loss chunk a run within `budget` on this device trains with (`planning.plan_run`).
+    kwargs["chunk_size"] = loss_chunk_rows(config, device=kwargs["device"], gpu=None, budget_bytes=budget)
     t, seq_len = recipe.training, recipe.data.max_length
     try:
         planned = plan_micro_batch(

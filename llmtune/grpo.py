@@ -33,7 +33,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from llmtune.data import IGNORE
 from llmtune.errors import UserError
-from llmtune.loss import LossImpl, default_chunk_size, text_config
+from llmtune.loss import LossImpl, default_chunk_size, loss_rows, text_config
 from llmtune.noise import hashed_bits, uniform
 from llmtune.preference import labelled_logps
 from llmtune.recipe import GRPOConfig, RewardConfig
@@ -349,4 +349,5 @@ def collate_completions(
     batch["advantages"] = torch.tensor([e["advantage"] for e in examples], dtype=torch.float32)
     if "old_logps" in examples[0]:
         batch["old_logps"] = torch.tensor([x for e in examples for x in e["old_logps"]], dtype=torch.float32)
+    batch["loss_rows"] = loss_rows(batch["labels"])  # on the host: the log-probs never wait for the device
     return batch

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -105,13 +106,58 @@ def logit_transform(config: Any) -> tuple[float, float | None]:
 
 
 def default_chunk_size(vocab_size: int) -> int:
-    """Token rows per loss chunk: ~8 Mi logits (32 MiB in fp32) per chunk, kept between 128 and 1024 rows.
+    """Token rows per loss chunk on a CPU: ~8 Mi logits (32 MiB in fp32) per chunk, kept between 128 and 1024 rows.
 
     At vocab 32000 that is 262 rows; at 128256, 128. Sizing chunks by bytes rather than a fixed 1024 rows
     halves the loss buffers at vocab 32000 and costs no speed against HF's loss (benchmarks/loss.py;
-    figures in benchmarks/results/measurements.md).
+    figures in benchmarks/results/measurements.md): a CPU reads a weight as fast as it multiplies it.
     """
     return max(128, min(1024, 2**23 // vocab_size))
+
+
+# A GPU chunk has at least this many rows: fewer leave its matmuls (rows x h by h x V) short of full tensor-core tiles
+# and multiply the chunks' launches; a card whose figures ask for more gets more (`chunk_rows`).
+GPU_MIN_CHUNK_ROWS = 1024
+# What a chunk row costs in scratch per vocabulary entry, in bytes: its fp32 logits (4), the 16-bit matmul output they
+# are upcast from and the 16-bit gradient they are cast back to (2 + 2).
+CHUNK_SCRATCH_BYTES = 8
+# The share of the memory budget a chunk's scratch may take: the rest is the step's (weights, states, activations).
+CHUNK_BUDGET_SHARE = 16
+
+
+def chunk_rows(
+    vocab_size: int, *, device: str, flops_per_byte: float | None = None, budget_bytes: int | None = None
+) -> int:
+    """Token rows per loss chunk on `device` ("cuda" or "cpu"): what the planner plans and the loss runs.
+
+    Every chunk reads the V x h head weight twice (its logits, the hidden states' gradient) and reads and writes the
+    V x h fp32 weight gradient once (8 bytes an element), each for 2 x rows FLOPs an element: the weight gradient's
+    matmul is compute-bound from rows = 4 x FLOP/s over bytes/s on. On a GPU (`flops_per_byte`: its 16-bit
+    tensor-core peak over its memory bandwidth; None for a card not known) the rows are that, rounded up to a power
+    of two, at least `GPU_MIN_CHUNK_ROWS`; then halved while the chunk's scratch (`CHUNK_SCRATCH_BYTES` x rows x V)
+    is over 1/`CHUNK_BUDGET_SHARE` of `budget_bytes` (None: not capped). On an H100 (989.5 TFLOP/s, 3.35 TB/s) that
+    is 2048 rows, on an H200 (4.8 TB/s) 1024. A CPU has no such gap (`default_chunk_size`).
+    """
+    if device != "cuda":
+        return default_chunk_size(vocab_size)
+    rows = max(GPU_MIN_CHUNK_ROWS, 1 << max(0, math.ceil(4 * (flops_per_byte or 0.0)) - 1).bit_length())
+    if budget_bytes is not None:
+        while rows > 1 and CHUNK_BUDGET_SHARE * CHUNK_SCRATCH_BYTES * rows * vocab_size > budget_bytes:
+            rows //= 2
+    return rows
+
+
+def loss_rows(labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """Flat indices of the positions of `labels` [rows, width] whose NEXT token is trained: the rows of the flattened
+    hidden states the chunked paths compute (hidden[t] predicts labels[t + 1]). `nonzero` waits for the device that
+    holds `labels`: collation computes them on the host, where they cost nothing, and the batch carries them."""
+    return trained_rows(F.pad(labels, (0, 1), value=ignore_index)[..., 1:].reshape(-1), ignore_index)
+
+
+def trained_rows(targets: Tensor, ignore_index: int = -100) -> Tensor:
+    """Indices of the entries of `targets` [N] that are not `ignore_index`, in order: a host sync where `targets` is
+    on a GPU (`loss_rows`)."""
+    return (targets != ignore_index).nonzero().squeeze(1)
 
 
 def resolve_loss_impl(requested: Literal["auto", "hf", "chunked"], config: Any) -> LossImpl:
@@ -233,15 +279,43 @@ class ChunkHead:
         s = self.settings
         if grads.hidden is not None:
             grads.hidden[rows] = (grad_c @ self.w).to(grads.hidden.dtype)
-        if grads.weight is not None:
-            if s.compute_dtype == torch.float32:
-                grads.weight.addmm_(grad_c.t(), h)
-            else:  # low-precision matmul like lm_head's backward, summed over chunks in fp32
-                grads.weight.add_(grad_c.t() @ h)
+        if grads.weight is not None:  # the matmul in the compute dtype, like lm_head's backward, summed in fp32
+            addmm_fp32_(grads.weight, grad_c.t(), h)
         if grads.u is not None:
             grads.u[rows] = (grad_l @ self.lora_b).mul_(s.lora_scaling).to(grads.u.dtype)
         if grads.lora_b is not None:
-            grads.lora_b.add_(grad_l.t() @ u.to(s.lora_dtype), alpha=s.lora_scaling)
+            addmm_fp32_(grads.lora_b, grad_l.t(), u.to(s.lora_dtype), alpha=s.lora_scaling)
+
+
+def addmm_fp32_(acc: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> None:
+    """acc += alpha * (a @ b) in place, acc fp32 (a gradient summed over chunks, V x h), a and b in the matmul's dtype,
+    with no product of acc's size beside it: fp32 runs `addmm_`; 16-bit runs a GEMM that writes fp32 and adds into
+    acc in its epilogue where the device has one (`_fp32_out_matmul`: cuBLAS); elsewhere (a CPU has none) the 16-bit
+    product is made a block of acc's rows at a time, each block no larger than `a` (the chunk's gradient, already
+    alive: the chunk's peak is not raised), and added."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b, alpha=alpha)
+    elif _fp32_out_matmul(acc.device):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, alpha=alpha, out=acc)
+    else:
+        block = max(1, a.numel() // max(1, b.shape[1]))
+        for start in range(0, acc.shape[0], block):
+            acc[start : start + block].add_(a[start : start + block] @ b, alpha=alpha)
+
+
+@functools.cache
+def _fp32_out_matmul(device: torch.device) -> bool:
+    """Whether `device` runs `torch.addmm(fp32, 16-bit, 16-bit, out_dtype=torch.float32)`: CUDA in torch >= 2.8, where
+    cuBLAS accumulates into the fp32 output. Probed once on 1 x 1 tensors: the dtype checks refuse before any kernel
+    runs, and nothing is read back (no host sync)."""
+    if device.type != "cuda":
+        return False
+    one = torch.ones((1, 1), device=device)
+    try:
+        torch.addmm(one, one.bfloat16(), one.bfloat16(), out_dtype=torch.float32, out=one)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -249,16 +323,16 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, hidden, weight, bias, lora_u, lora_b, labels, settings: ChunkSettings, ignore_index, grad_enabled
+        ctx: Any, hidden, weight, bias, lora_u, lora_b, labels, rows, settings: ChunkSettings, grad_enabled
     ) -> Tensor:
         # The arguments are `chunked_cross_entropy`'s, with whether gradients are wanted: needs_input_grad is True
         # under no_grad too, and evaluation must not pay for the gradients.
         need = tuple(grad_enabled and ctx.needs_input_grad[i] for i in range(5))
         grads = ChunkGrads(need, hidden, weight, bias, lora_u, lora_b)
         head = ChunkHead(weight, bias, lora_b, settings)
-        # Only rows with a target cost anything: prompt-masked SFT batches skip their masked share of
-        # the three N x V x h matmuls. `nonzero` is a host sync on GPU (one per step).
-        rows = (labels != ignore_index).nonzero().squeeze(1)
+        # Only rows with a target cost anything: prompt-masked SFT batches skip their masked share of the three
+        # N x V x h matmuls. `rows` came from the host (`loss_rows`): its length is known there, so neither the loop
+        # nor any chunk waits for the device.
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
 
         for start in range(0, rows.numel(), settings.chunk_size):
@@ -349,6 +423,7 @@ def chunked_cross_entropy(
     weight: Tensor,
     labels: Tensor,
     *,
+    rows: Tensor | None = None,
     bias: Tensor | None = None,
     lora: LowRank | None = None,
     chunk_size: int = 1024,
@@ -364,7 +439,9 @@ def chunked_cross_entropy(
     `lora` adds its low-rank term to the lm_head's output as peft does. `logit_scale` multiplies the
     logits, then `softcap` applies `softcap * tanh(logits / softcap)`.
 
-    hidden: [N, h]; weight: [V, h]; labels: [N] (int64); bias: [V] or None.
+    hidden: [N, h]; weight: [V, h]; labels: [N] (int64); bias: [V] or None. `rows`: the indices of the labels that are
+    not `ignore_index` (`trained_rows`), where the caller has them from the host; None: found here, which on a GPU
+    waits for it.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.dim() != 1 or hidden.shape[0] != labels.shape[0]:
         raise ValueError(
@@ -373,10 +450,11 @@ def chunked_cross_entropy(
         )
     settings = chunk_settings(hidden, weight, lora, chunk_size, logit_scale, softcap)
     u, lora_b = (None, None) if lora is None else (lora.u, lora.weight)
+    rows = trained_rows(labels, ignore_index) if rows is None else rows
     # The Function casts explicitly; autocast must not re-cast its matmuls (or cast fp32 grads down).
     with torch.autocast(hidden.device.type, enabled=False):
         return _ChunkedCrossEntropy.apply(
-            hidden, weight, bias, u, lora_b, labels.long(), settings, ignore_index, torch.is_grad_enabled()
+            hidden, weight, bias, u, lora_b, labels.long(), rows, settings, torch.is_grad_enabled()
         )
 
 
@@ -467,6 +545,7 @@ class CausalLMWithLoss(torch.nn.Module):
             raise ValueError(f"impl must be 'hf' or 'chunked' (resolve 'auto' first), got {impl!r}")
         self.model = model
         self.impl = impl
+        # Training gives the plan's (`BatchPlan.chunk_rows`); the CPU's rule otherwise.
         self.chunk_size = chunk_size or default_chunk_size(text_config(model.config).vocab_size)
         if impl == "chunked":
             reason = head_refusal(model)  # refuse a model the chunked loss cannot run now, not at the first step
@@ -480,10 +559,12 @@ class CausalLMWithLoss(torch.nn.Module):
         labels: Tensor,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
+        loss_rows: Tensor | None = None,
         **documents: Any,
     ) -> Tensor:
         """`documents`: a packed batch's cu_seq_lens / max_length (`llmtune.data.batch.with_documents`), passed on
-        to the attention function."""
+        to the attention function. `loss_rows`: `llmtune.loss.loss_rows(labels)`, as collation made it on the host
+        (None: found here, which on a GPU waits for it)."""
         if self.impl == "hf":
             # ForCausalLMLoss divides the summed loss by num_items_in_batch: 1 keeps the sum.
             out = self.model(
@@ -509,6 +590,7 @@ class CausalLMWithLoss(torch.nn.Module):
             hidden,
             head.weight,
             shift_labels.reshape(-1).to(hidden.device),
+            rows=None if loss_rows is None else loss_rows.to(hidden.device),
             bias=head.bias,
             lora=head_lora(head, hidden),
             chunk_size=self.chunk_size,

@@ -52,7 +52,8 @@ def parallelize(
     model = adapt(model, recipe, plan.checkpointing, device_type=accelerator.device.type)
     # Measured on whole parameters, before the engine shards them (FSDP2's DTensors, ZeRO-3's empty tensors).
     parameters, flops = count_parameters(model), model_flops(model)
-    module = objective.module(model, loss_impl, accelerator.device, parallel.weights_dtype(engine, precision))
+    dtype = parallel.weights_dtype(engine, precision)
+    module = objective.module(model, loss_impl, accelerator.device, dtype, chunk_size=plan.chunk_rows)
     if engine == "fsdp2":
         parallel.shard_fsdp2(module, precision)  # before the optimizer, which must hold the shards
     optimizer = make_optimizer(module, recipe, accelerator.device)

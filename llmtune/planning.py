@@ -21,6 +21,7 @@ from llmtune.memory import (
     MemoryPlanError,
     estimate_settings,
     host_budget,
+    loss_chunk_rows,
     plan_for_budget,
     plan_rates,
     planned_precision,
@@ -74,6 +75,7 @@ def plan_recipe(
         trained_fraction=trained_fraction,
         gpu=gpu,
     )
+    settings["chunk_size"] = loss_chunk_rows(config, device=device, gpu=gpu, budget_bytes=budget_bytes)
     rates = rates or plan_rates(device, settings["precision"], config, gpu=gpu, tf32=recipe.training.tf32_on(device))
     if recipe.training.compiles(device):
         rates = compiled(rates)
@@ -204,6 +206,10 @@ def plan_run(
     per_process, rest = divmod(t.global_batch_size, n)
     if rest:
         raise PlanError(f"training.global_batch_size={t.global_batch_size} is not divisible by the {n} processes")
+    budget = resolve_budget(recipe.memory.budget, acc.device)
+    # Free memory can differ between devices; every process must train the same micro-batch (and loss chunk).
+    budget = int(acc.gather(torch.tensor([budget], device=acc.device)).min())
+    device = "cuda" if acc.device.type == "cuda" else "cpu"
     fixed = checkpointing_of(t.gradient_checkpointing)
     if t.micro_batch_size != "auto":
         if per_process % t.micro_batch_size:
@@ -212,11 +218,15 @@ def plan_run(
                 f" process, which training.micro_batch_size={t.micro_batch_size} does not divide"
             )
         if fixed is not None and t.objective != "grpo":
-            return BatchPlan(t.micro_batch_size, per_process // t.micro_batch_size, n, "recipe", checkpointing=fixed)
-    budget = resolve_budget(recipe.memory.budget, acc.device)
-    # Free memory can differ between devices; every process must train the same micro-batch.
-    budget = int(acc.gather(torch.tensor([budget], device=acc.device)).min())
-    device = "cuda" if acc.device.type == "cuda" else "cpu"
+            chunk = loss_chunk_rows(config, device=device, gpu=None, budget_bytes=budget)
+            return BatchPlan(
+                t.micro_batch_size,
+                per_process // t.micro_batch_size,
+                n,
+                "recipe",
+                checkpointing=fixed,
+                chunk_rows=chunk,
+            )
 
     def plan() -> BatchPlan:
         # Planning runs real ops on random tensors (the rates) and must leave the run's random state as it found

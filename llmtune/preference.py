@@ -48,6 +48,7 @@ from llmtune.loss import (
     dtypes_of,
     head_lora,
     logit_transform,
+    loss_rows,
     text_config,
 )
 from llmtune.recipe import PreferenceConfig
@@ -80,6 +81,7 @@ def collate_pairs(
     # pair_ids [pairs]: its SHAPE tells the forward how many pairs there are, so the forward needs no
     # data-dependent count (the memory estimator traces it on fake tensors).
     batch["pair_ids"] = torch.arange(sequence // 2)
+    batch["loss_rows"] = loss_rows(batch["labels"])  # on the host: the log-probs never wait for the device
     if "ref_logps" in examples[0]:
         values = [v for e in examples for v in e["ref_logps"]]
         batch["ref_logps"] = torch.tensor(values, dtype=torch.float32).view(-1, 2)
@@ -168,11 +170,13 @@ def labelled_logps(
 ) -> tuple[Tensor, Tensor]:
     """(fp32 log-prob of each labelled token, its flat index in the [rows, width] batch), in row-major order.
 
-    `temperature` divides the logits first (GRPO scores its samples as they were drawn, as TRL does)."""
+    `temperature` divides the logits first (GRPO scores its samples as they were drawn, as TRL does). The labelled
+    tokens are the batch's `loss_rows`, found by its collate on the host; without them, found here (on a GPU, a wait
+    for it)."""
     inputs = {k: batch.get(k) for k in ("input_ids", "attention_mask", "position_ids")}
     # hidden[t] predicts token t + 1: targets are shifted left by one.
     targets = F.pad(batch["labels"], (0, 1), value=IGNORE)[:, 1:].reshape(-1)
-    rows = (targets != IGNORE).nonzero().squeeze(1)
+    rows = batch["loss_rows"] if "loss_rows" in batch else loss_rows(batch["labels"])
     scale, cap = logit_transform(model.config) if impl == "chunked" else (1.0, None)
     if impl == "chunked" and (cap is None or temperature == 1.0):
         decoder, head = decoder_and_head(model)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.loss import HeadTraffic
 from llmtune.loss import CausalLMWithLoss, LowRank, chunked_cross_entropy, resolve_loss_impl
 from llmtune.memory.measure import PeakMemoryTracker
 
@@ -571,3 +572,107 @@ def test_chunked_peak_memory_below_hf():
     # Chunked: one fp32 chunk x V buffer (4*128*V = N*V here) + parameter grads; measured 1.4*N*V.
     assert chunked < 0.2 * hf, (chunked, hf)
     assert chunked < 2 * n * vocab, chunked
+
+
+# ----------------------------------------------------------------------------- the head's traffic and host syncs
+
+
+def _sft_batch(rows: int, length: int, prompt: int, vocab: int) -> dict[str, torch.Tensor]:
+    """A micro-batch as the SFT objective collates it: `rows` rows of `length` tokens, the first `prompt` of each
+    not trained."""
+    from llmtune.objectives import objective_named
+
+    g = torch.Generator().manual_seed(0)
+    examples = []
+    for _ in range(rows):
+        ids = torch.randint(1, vocab, (length,), generator=g).tolist()
+        examples.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return objective_named("sft", "none").collate(examples, pad_token_id=0, packed=False)
+
+
+def test_a_gpu_plan_runs_the_planned_chunk_of_at_least_1024_rows_reading_the_head_twice_a_chunk():
+    """Planned for an H100 (as `llmtune estimate --gpu h100-80gb` plans, on this CPU): the estimate traces the chunk the
+    plan carries to training (`BatchPlan.chunk_rows`), at least 1024 rows, and the loss of a step run with it reads the
+    head weight twice a chunk (its logits, the hidden states' gradient) over the trained tokens alone, and allocates
+    nothing of the weight's size but the fp32 gradient it accumulates into, in place."""
+    from llmtune.memory import recipe_for_model
+    from llmtune.objectives import objective_named
+    from llmtune.planning import plan_recipe
+
+    vocab = 16384
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False,
+    )  # fmt: skip
+    recipe = recipe_for_model("tiny", config, method="full", seq_len=2048, device="cuda")
+    plan, _ = plan_recipe(recipe, config, device="cuda", gpu="h100-80gb", budget_bytes=70 * 2**30, num_processes=1)
+    chunk = plan.estimate.settings["chunk_size"]
+    assert chunk >= 1024 and plan.chunk_rows == chunk
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.get_input_embeddings().requires_grad_(False)  # its gradient is V x h too, and none of the head's
+    module = objective_named("sft", "none").module(model, "chunked", torch.device("cpu"), None, chunk_size=chunk)
+    batch = _sft_batch(rows=2, length=2048, prompt=600, vocab=vocab)
+    trained = batch["loss_rows"].numel()
+    assert trained > chunk  # more than one chunk
+    with HeadTraffic(model.lm_head.weight) as traffic:
+        module(**batch).backward()
+    assert traffic.reads <= 2 * -(-trained // chunk), (traffic.reads, trained, chunk)
+    assert traffic.allocated == [torch.float32]  # the weight's gradient, summed over the chunks in place
+
+
+def test_the_head_weight_gradient_is_summed_in_place_under_autocast():
+    """bf16 autocast, 4 chunks: the weight's size is allocated for its bf16 copy (the matmuls' operand, as lm_head's
+    autocast makes it) and the fp32 gradient, once each, never per chunk (where `grad_c.t() @ h` made a V x h product
+    per chunk to add in). On a CPU the product is made a block of the weight's rows at a time, each no larger than the
+    chunk's gradient (here chunk 32 < hidden 96: blocks of a third of V); CUDA's fp32-output matmul, which needs no
+    block, cannot run here."""
+    hidden, weight, _, labels = _inputs(192, h=96, v=300)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), HeadTraffic(weight) as traffic:
+        chunked_cross_entropy(hidden, weight, labels, chunk_size=32).backward()
+    assert sorted(traffic.allocated, key=str) == [torch.bfloat16, torch.float32]
+    assert traffic.reads == 1 + 2 * 4  # the cast, then 2 a chunk: 128 trained rows in chunks of 32
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo"])
+def test_the_loss_never_waits_for_the_device(objective):
+    """No host synchronisation (`.item()`, `nonzero`, ...) in the loss's forward and backward: the trained rows come
+    with the batch from its collate, found on the host (`loss_rows`). The decoder's forward is not counted
+    (transformers' mask creation syncs once; llmtune.attention's packed path is what avoids it)."""
+    from llmtune.objectives import objective_named
+    from llmtune.recipe import PreferenceConfig
+
+    torch.manual_seed(0)
+    model = _model("llama-untied")
+    decoder = model.get_decoder()
+    if objective == "sft":
+        module = CausalLMWithLoss(model, "chunked", chunk_size=8)
+        batch = _sft_batch(rows=2, length=20, prompt=5, vocab=model.config.vocab_size)
+    else:
+        from llmtune.preference import PreferenceModel
+
+        module = PreferenceModel(model, "chunked", "dpo", PreferenceConfig(), "precomputed", chunk_size=8)
+        pair = {"input_ids": list(range(3, 19)), "labels": [-100] * 4 + list(range(7, 11)) + [-100] * 4 + [5] * 4}
+        pair |= {"position_ids": list(range(8)) * 2, "ref_logps": [-3.0, -4.0]}
+        batch = objective_named("dpo", "precomputed").collate([pair, pair], pad_token_id=0, packed=True)
+    with HeadTraffic(model.get_output_embeddings().weight, decoder) as traffic:
+        module(**batch).reshape(-1)[0].backward()
+    assert traffic.syncs == []
+
+
+@pytest.mark.parametrize("micro_batch_size", ["auto", 4])
+def test_training_runs_the_chunk_its_plan_carries(tiny_recipe, micro_batch_size):
+    """The loss training builds runs the plan's chunk rows (`BatchPlan.chunk_rows`), which the planner's estimate
+    traced where it planned (auto), and which a micro-batch fixed by the recipe takes from the same rule (the CPU's,
+    here)."""
+    from llmtune.recipe import load_recipe
+    from llmtune.train import build
+
+    run = build(load_recipe(tiny_recipe(training__micro_batch_size=micro_batch_size)))
+    module = run.accelerator.unwrap_model(run.model)
+    assert module.chunk_size == run.plan.chunk_rows
+    if run.plan.estimate is not None:
+        assert run.plan.estimate.settings["chunk_size"] == run.plan.chunk_rows

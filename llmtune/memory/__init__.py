@@ -21,6 +21,7 @@ from llmtune.memory.estimate import LoraSpec, MemoryEstimate, estimate, estimate
 from llmtune.memory.from_recipe import (
     estimate_settings,
     expandable_segments,
+    loss_chunk_rows,
     plan_for_budget,
     plan_rates,
     planned_precision,
@@ -52,6 +53,7 @@ __all__ = [
     "format_plan",
     "generation_peak",
     "host_budget",
+    "loss_chunk_rows",
     "parse_bytes",
     "plan_for_budget",
     "plan_micro_batch",

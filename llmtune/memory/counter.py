@@ -57,21 +57,32 @@ class TraceCounter(LiveStorageCounter):
             self.events.append((key, 0))
         super()._release(key)
 
-    def _trained_rows(self, labels_mask: torch.Tensor) -> torch.Tensor:
-        """`nonzero` of the chunked loss's trained-token mask. Its size depends on the data, which fake
-        tensors do not have: the data's `trained_fraction` (1.0, every token, bounds it) gives it.
+    def trained_rows(self, labels: torch.Tensor) -> torch.Tensor:
+        """A stand-in for the batch's `loss_rows` (`llmtune.loss.loss_rows`: the trained rows of `labels`, found at
+        collation), sized by the data's `trained_fraction`: see `_trained_rows`. Registered as an input."""
+        saved, self.tag = self.tag, "inputs"
+        try:
+            return self._trained_rows(labels.numel(), ()).reshape(-1)
+        finally:
+            self.tag = saved
+
+    def _trained_rows(self, total: int, index_dims: tuple[int, ...]) -> torch.Tensor:
+        """The trained rows of `total` label positions, as indices of shape [rows, *index_dims]. Their number depends
+        on the data, which fake tensors do not have: the data's `trained_fraction` (1.0, every token, bounds it) gives
+        it.
 
         The loss then loops over chunks of these rows, each chunk's buffers freed before the next, so the
         loop's peak is that of its second chunk: rows past two chunks are not traced (at 64k tokens that is
         hundreds of identical iterations). A stand-in of their size keeps the index tensor's bytes exact.
         `chunk_rows=None` traces every row (the preference objectives keep the selected rows' hidden states)."""
-        rows = math.ceil(labels_mask.numel() * self.trained_fraction)
+        rows = math.ceil(total * self.trained_fraction)
         traced = rows if self.chunk_rows is None else min(rows, 2 * self.chunk_rows)
         self.untraced_factor = rows / max(1, traced)
-        out = torch.empty((traced, labels_mask.dim()), dtype=torch.long)
+        width = math.prod(index_dims)
+        out = torch.empty((traced, *index_dims), dtype=torch.long)
         self.register(out)
         if traced < rows:
-            rest = torch.empty(((rows - traced) * labels_mask.dim(),), dtype=torch.long)
+            rest = torch.empty(((rows - traced) * width,), dtype=torch.long)
             self.register(rest)
             # Freed with the index tensor it stands for.
             key = id(out.untyped_storage())
@@ -102,8 +113,8 @@ class TraceCounter(LiveStorageCounter):
             # without its dispatch cache's hashing (a third of a deep model's trace time).
             t = args[0]
             return t.fake_device if isinstance(t, FakeTensor) and not t.fake_mode.in_kernel_invocation else func(*args)
-        if func is torch.ops.aten.nonzero.default:
-            return self._trained_rows(args[0])
+        if func is torch.ops.aten.nonzero.default:  # the chunked paths' `trained_rows` where no batch carried them
+            return self._trained_rows(args[0].numel(), (args[0].dim(),))
         if func is torch.ops.aten._to_copy.default and self.tag_of(args[0]) == "weights":
             saved, self.tag = self.tag, "autocast_weight_copies"
             try:

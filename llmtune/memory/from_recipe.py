@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from llmtune import timing
-from llmtune.catalogue import compute_capability
+from llmtune.catalogue import compute_capability, datasheet_bandwidth, datasheet_peak_flops
+from llmtune.loss import chunk_rows
 from llmtune.memory.generation import (
     GenerationEstimate,
     generation_peak,
@@ -96,6 +97,24 @@ def card_capability(device: str, gpu: str | None) -> tuple[int, int] | None:
     if gpu:
         return compute_capability(gpu)
     return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+
+
+def card_name(device: str, gpu: str | None) -> str | None:
+    """The CUDA card planned for: named (`--gpu`), else this machine's; None for a CPU or where there is no GPU."""
+    if device != "cuda":
+        return None
+    return gpu or (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+
+
+def loss_chunk_rows(config: Any, *, device: str, gpu: str | None, budget_bytes: int | None) -> int:
+    """The chunked loss's rows per chunk on `device` (the card `card_name` names) within `budget_bytes`
+    (`llmtune.loss.chunk_rows`, from the card's datasheet 16-bit peak over its bandwidth): what the planner traces
+    and training's loss runs (`BatchPlan.chunk_rows`)."""
+    name = card_name(device, gpu)
+    peak, bandwidth = (datasheet_peak_flops(name), datasheet_bandwidth(name)) if name else (None, None)
+    ratio = peak / bandwidth if peak and bandwidth else None
+    vocab = config.get_text_config().vocab_size
+    return chunk_rows(vocab, device=device, flops_per_byte=ratio, budget_bytes=budget_bytes)
 
 
 @dataclass(frozen=True)

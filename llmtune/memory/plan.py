@@ -37,6 +37,9 @@ class BatchPlan:
     rates_source: str | None = None
     frontier: list[dict[str, Any]] = field(default_factory=list)  # what the planner weighed (Candidate.to_dict)
     generation_rows: int = 0  # grpo: rows per generate call (0: not planned, all of a process's rows in one)
+    # The chunked loss's token rows per chunk, as the estimate traced them (`llmtune.loss.chunk_rows`); None: a plan
+    # from before they were planned, whose loss takes the CPU's rule.
+    chunk_rows: int | None = None
     estimate: MemoryEstimate | None = field(default=None, repr=False, compare=False)
     # grpo: the predicted peak of a generate call of `generation_rows` rows (llmtune.memory.generation)
     generation: GenerationEstimate | None = field(default=None, repr=False, compare=False)

@@ -153,6 +153,7 @@ class _Search:
             predicted_tokens_per_s=chosen.tokens_per_s,
             rates_source=self.rates.source,
             frontier=[c.to_dict(self.layers) for c in frontier],
+            chunk_rows=est.settings["chunk_size"],
             estimate=est,
         )
 

@@ -161,8 +161,8 @@ def _register_states(
     batch: dict[str, torch.Tensor],
     s: Settings,
 ) -> None:
-    """Count what lives before the step (weights, gradients, optimizer states) and the micro-batch. The order is the
-    allocator model's order of allocations (`allocator.reserved_peak`)."""
+    """Count what lives before the step (weights, gradients, optimizer states) and the micro-batch, its `loss_rows`
+    sized for the data here. The order is the allocator model's order of allocations (`allocator.reserved_peak`)."""
     for p in model.parameters():
         counter.register(p, "weights")
         if p.grad is not None:
@@ -174,6 +174,8 @@ def _register_states(
             counter.register(w, "reference_weights")
     for v in state_tensors:
         counter.register(v, "optimizer_states")
+    if "loss_rows" in batch:  # its length is the data's: the trained share of the rows (`TraceCounter.trained_rows`)
+        batch["loss_rows"] = counter.trained_rows(batch["labels"])
     for v in batch.values():
         if isinstance(v, torch.Tensor):
             counter.register(v, "inputs")
