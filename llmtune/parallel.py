@@ -239,13 +239,18 @@ def skips_nonfinite_updates(acc: Accelerator, engine: Engine) -> bool:
     return acc.scaler is not None or is_deepspeed(engine)
 
 
-def clip_grad_norm(acc: Accelerator, engine: Engine, model: torch.nn.Module, max_norm: float) -> float:
-    """Clip to the recipe's norm; returns the norm before clipping. With clipping off (max_norm <= 0) the norm is
-    still measured: a non-finite one keeps the update out of the weights (train_step). DeepSpeed reports nan then."""
+def clip_grad_norm(acc: Accelerator, engine: Engine, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip to the recipe's norm; returns the norm before clipping, on the device (read with the step's other figures:
+    `float()` here would wait for the device). With clipping off (max_norm <= 0) the norm is still measured: a
+    non-finite one keeps the update out of the weights (train_step). DeepSpeed reports nan then."""
     if is_deepspeed(engine):
-        # The engine clipped (config `gradient_clipping`) and stepped at the boundary; it reports the norm.
-        norm = acc.deepspeed_engine_wrapped.get_global_grad_norm()
-        return float("nan") if norm is None else float(norm)
+        # The engine clipped (config `gradient_clipping`) and stepped at the boundary; it reports the norm, a tensor
+        # (read by the engine itself, not Accelerate's wrapper, whose `.item()` waits) or a float (`full` writes it
+        # on the device as a kernel's argument, where a tensor made from it would be a copy that waits).
+        norm = acc.deepspeed_engine_wrapped.engine.get_global_grad_norm()
+        if isinstance(norm, torch.Tensor):
+            return norm.detach().float().reshape(())
+        return torch.full((), math.nan if norm is None else float(norm), device=acc.device)
     if max_norm <= 0:
         max_norm = math.inf
     if engine == "fsdp2":
@@ -254,27 +259,57 @@ def clip_grad_norm(acc: Accelerator, engine: Engine, model: torch.nn.Module, max
         # A DTensor with a partial (per-shard) norm: full_tensor() all-reduces it to the global norm.
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), max_norm, norm)
-        return float(norm)
-    return float(acc.clip_grad_norm_(model.parameters(), max_norm))
+        return norm
+    return acc.clip_grad_norm_(model.parameters(), max_norm)
 
 
-def loss_scale(scaler: torch.amp.GradScaler | None) -> float | None:
-    """fp16's current loss scale; None without a scaler (bf16, fp32, DeepSpeed's own)."""
-    return scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+    """Step. Under fp16's loss scaler, returns [the scale the step ran at, 1 where the scaler skipped the update for
+    inf/nan gradients] on the device, for the step's one read (`get_scale()` before and after would each wait for
+    the device); None without a scaler (`step_was_skipped` then tells DeepSpeed's own skips).
 
-
-def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> bool:
-    """Step; True when the update was skipped for inf/nan gradients (fp16 loss scaling).
-
-    Accelerate's `optimizer_step_was_skipped` misses this for fused optimizers: GradScaler hands them the
-    inf flag and the fused kernel skips internally, so the step still counts as taken. The scaler lowers
-    its scale exactly when it found inf/nan (it only ever grows otherwise), so the scale tells. Under
-    DeepSpeed the engine scales the loss itself (no scaler here) and Accelerate's flag reports its skips.
+    Accelerate's `optimizer_step_was_skipped` misses a skip for fused optimizers: GradScaler hands them the inf flag
+    and the fused kernel skips internally, so the step still counts as taken. The scaler lowers its scale exactly
+    when it found inf/nan (it only ever grows otherwise), so the scale tells.
     """
-    before = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+    if scaler is None or not scaler.is_enabled():
+        optimizer.step()
+        return None
+    # The scale tensor `get_scale()` reads (it exists once `scale` has scaled a loss); `update` changes it in place.
+    before = scaler._get_scale_async().clone()
     optimizer.step()
-    dropped = before is not None and scaler.get_scale() < before
-    return dropped or bool(getattr(optimizer, "step_was_skipped", False))
+    return torch.stack([before, (scaler._get_scale_async() < before).float()])
+
+
+def step_was_skipped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether DeepSpeed's engine skipped the update it took in the window's last backward (its own loss scaler):
+    Accelerate's flag, on the host."""
+    return bool(getattr(optimizer, "step_was_skipped", False))
+
+
+def host_group(acc: Accelerator, timeout_s: float) -> Any:
+    """The processes' group over host memory (gloo) for the small agreements the loop makes every step (the window's
+    token counts, a stop): summed there they never wait on the device, where the same sum costs a copy of host ints
+    to the device and one back, each waiting for every kernel queued before it. None in one process (nothing to
+    agree on). A collective: every process calls it, in the same order (`llmtune.train.build`)."""
+    if acc.num_processes == 1:
+        return None
+    return torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def sum_on_host(values: list[int], group: Any) -> list[int]:
+    """`values` summed over the processes of `host_group` (None: this process's own)."""
+    if group is None:
+        return values
+    summed = torch.tensor(values, dtype=torch.int64)
+    torch.distributed.all_reduce(summed, group=group)
+    return summed.tolist()
+
+
+def close_host_group(group: Any) -> None:
+    """The group's resources freed when its run ends (a launch may train several recipes)."""
+    if group is not None and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group(group)
 
 
 def full_state_dict(

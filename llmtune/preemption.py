@@ -22,14 +22,10 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
-
-import torch
+from typing import Any
 
 from llmtune.errors import EXIT_PREEMPTED
-
-if TYPE_CHECKING:
-    from accelerate import Accelerator
+from llmtune.parallel import sum_on_host
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +68,11 @@ class Preemption:
         self._woken.close()
         self._notify.close()
 
-    def requested_anywhere(self, acc: Accelerator) -> bool:
-        """True on every process when a signal reached any process (all must save together)."""
-        flag = torch.tensor(int(self.requested), device=acc.device)
-        return bool(acc.reduce(flag, reduction="sum"))
+    def requested_anywhere(self, group: Any) -> bool:
+        """True on every process when a signal reached any process (all must save together). Agreed over the host
+        group (`parallel.host_group`; None in one process): a flag sent through the device would wait twice a step
+        for all the work queued there."""
+        return bool(sum_on_host([int(self.requested)], group)[0])
 
     def boundary(self) -> None:
         """Every process reached the step boundary after a signal: saving and stopping are the loop's now."""

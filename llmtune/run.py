@@ -1,5 +1,5 @@
-"""The records the training loop passes around: `Run`, built once by `llmtune.train.build`, and each step's
-`StepResult`."""
+"""The records the training loop passes around: `Run`, built once by `llmtune.train.build`, each step's
+`StepBatches` (prepared ahead) and its `StepResult`."""
 
 from __future__ import annotations
 
@@ -42,6 +42,16 @@ class Run:
     counters: dict[str, int] = field(default_factory=lambda: {"trained_tokens": 0, "skipped_steps": 0})
     lineage: list[str] = field(default_factory=list)  # the checkpoints this run descends from (llmtune.checkpoint)
     lock: RunLock = field(default_factory=RunLock)  # the output_dir's, on the main process (llmtune.rundir)
+    host_group: Any = None  # the processes' group over host memory (parallel.host_group); None in one process
+
+
+class StepBatches(NamedTuple):
+    """One optimizer step's input on this process, ready on the host (`llmtune.train.step_batches`)."""
+
+    rows: list[dict]  # the rows it trains on (GRPO: the completions)
+    micro_batch_size: int  # the plan's when it was split (a plan shrunk since splits it again)
+    micro_batches: list[dict[str, Any]]  # collated; pinned where the device is a GPU
+    counts: list[int]  # trained tokens, processed tokens, the sum of squared lengths, units: this process's
 
 
 class StepResult(NamedTuple):

@@ -23,6 +23,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from llmtune import checkpoint, parallel, rundir
 from llmtune.data import DataError, batch_for_step, eval_batches, prepare_data, squared_lengths
 from llmtune.data.batch import to_device
+from llmtune.data.prefetch import Prefetcher, pinned
 from llmtune.errors import EXIT_PREEMPTED
 from llmtune.launch import make_accelerator
 from llmtune.loss import resolve_loss_impl
@@ -30,6 +31,7 @@ from llmtune.memory import BatchPlan, PeakMemoryTracker
 from llmtune.metrics import MetricsLogger, peak_flops
 from llmtune.model import load_config, load_model, load_tokenizer
 from llmtune.objectives import AttachContext, Objective, objective_for, trained_tokens
+from llmtune.objectives.base import FromData
 from llmtune.parallelize import parallelize
 from llmtune.planning import PlanError, TrainingError, plan_run, shrink_plan
 from llmtune.preemption import Preemption
@@ -41,7 +43,7 @@ from llmtune.resilience import (
     stop_after_out_of_memory,
     stop_out_of_memory,
 )
-from llmtune.run import Run, StepResult
+from llmtune.run import Run, StepBatches, StepResult
 from llmtune.schedule import lr_factor, set_learning_rate
 from llmtune.summary import Measured, log_setup, log_step, run_summary
 
@@ -129,6 +131,7 @@ def assemble(
         peak_flops_source=peak_source,
         num_layers=int(config.get_text_config().num_hidden_layers),
         lock=lock,
+        host_group=parallel.host_group(accelerator, recipe.distributed.timeout),
     )
     if resume_from is not None:
         resume(run, resume_from)
@@ -195,6 +198,7 @@ def fit(run: Run) -> dict[str, Any]:
         return loop(run)
     finally:
         run.lock.release()
+        parallel.close_host_group(run.host_group)
 
 
 def loop(run: Run) -> dict[str, Any]:
@@ -213,24 +217,29 @@ def loop(run: Run) -> dict[str, Any]:
     # dropout) only in training mode: without this the steps before the first evaluation ran with neither.
     run.model.train()
     # Log lines go through the progress bar's own writer: printed straight to the terminal, they land on the bar's line.
-    with Preemption(release=run.lock.release) as preemption, logging_redirect_tqdm():
+    # The next step's rows are drawn and collated in the background while this one trains (`prepare_ahead`).
+    with (
+        Preemption(release=run.lock.release) as preemption,
+        logging_redirect_tqdm(),
+        Prefetcher(lambda s: prepare_ahead(run, s), end=r.training.max_steps, device=acc.device) as upcoming,
+    ):
         while step < r.training.max_steps:
-            examples = draw_examples(run, step)
+            batches = batches_for(run, upcoming.get(step), step)
             lr = set_learning_rate(run.optimizer, r, step)
             t0 = time.perf_counter()  # the step; with its evaluation and checkpoint below, the grace a signal gives
-            result, peak, reserved = measured_step(run, examples, step)
+            result, peak, reserved = measured_step(run, batches, step)
             if result is None:  # out of memory: the plan shrank; redo the same step
                 continue
             guard.check(step, result.finite, result.loss, result.grad_norm, result.loss_scale)
             run.counters["skipped_steps"] += int(not result.finite or result.overflow)  # overflow: fp16's scaler
             step += 1
             run.counters["trained_tokens"] += result.trained_tokens
-            measured.memory(run, step, peak, reserved, len(examples))
+            measured.memory(run, step, peak, reserved, len(batches.rows))
             seconds = time.perf_counter() - t0
             measured.time(run, step, seconds)
             log_step(run, metrics, step, result, lr=lr, seconds=seconds, peak=peak, reserved=reserved)
             if evaluation_due(run, step):
-                eval_loss = evaluate_and_log(run, metrics, step, len(examples))
+                eval_loss = evaluate_and_log(run, metrics, step, len(batches.rows))
             if save_or_stop(run, step, preemption, checkpoint_ok=not guard.in_a_row):
                 metrics.close()
                 # Still under the handler: once one process has exited the launcher SIGTERMs the others, and one that
@@ -248,9 +257,10 @@ def loop(run: Run) -> dict[str, Any]:
     return summary
 
 
-def draw_examples(run: Run, step: int) -> list[dict]:
-    """This process's rows for optimizer step `step`: its share of the data step the objective draws, made into the
-    rows the step trains on (GRPO: the policy's completions of these prompts)."""
+def prepare_ahead(run: Run, step: int) -> StepBatches | list[dict]:
+    """What of optimizer step `step` needs no model, made in the background (`Prefetcher`): this process's share of
+    the data step the objective draws, and where the objective trains on these rows as drawn (SFT, preference:
+    `FromData`) their batches; GRPO's rows are completions of these prompts by the policy as it is at the step."""
     r, acc = run.recipe, run.accelerator
     data_step, drawn = run.objective.draw(step, r.training.global_batch_size)
     examples = batch_for_step(
@@ -262,12 +272,43 @@ def draw_examples(run: Run, step: int) -> list[dict]:
         world_size=acc.num_processes,
         group_by_length=r.data.group_by_length,
     )
+    return step_batches(run, examples) if isinstance(run.objective, FromData) else examples
+
+
+def batches_for(run: Run, ahead: StepBatches | list[dict], step: int) -> StepBatches:
+    """Step `step`'s batches from what was prepared ahead: as they are, or split again where the plan shrank since
+    (out of memory), or made from the rows the step trains on (GRPO: sampled now)."""
+    if isinstance(ahead, StepBatches):
+        if ahead.micro_batch_size == run.plan.micro_batch_size:
+            return ahead
+        ahead = ahead.rows
+    return step_batches(run, rollout(run, ahead, step))
+
+
+def rollout(run: Run, examples: list[dict], step: int) -> list[dict]:
+    """The rows step `step` trains on, made from the rows drawn for it (GRPO: the policy's completions)."""
+    r = run.recipe
     try:
         return run.objective.rollout(examples, step)
     except torch.OutOfMemoryError:  # grpo's generation: fewer rows a call
         rows = run.plan.generation_rows or len(examples) * r.grpo.num_generations
         smaller = rows // 2 or None
-        stop_out_of_memory(r.output_dir, acc.process_index, run.lock, "generation", "generation_rows", rows, smaller)
+        where = run.accelerator.process_index
+        stop_out_of_memory(r.output_dir, where, run.lock, "generation", "generation_rows", rows, smaller)
+
+
+def step_batches(run: Run, rows: list[dict]) -> StepBatches:
+    """`rows` split into the plan's micro-batches, collated (pinned where the device copies from there without
+    waiting), with their counts: all host work, no device involved."""
+    m, device = run.plan.micro_batch_size, run.accelerator.device
+    micro_batches = [collate_for(run, rows[i : i + m]) for i in range(0, len(rows), m)]
+    counts = [
+        sum(trained_tokens(b) for b in micro_batches),
+        sum(len(e["input_ids"]) for e in rows),  # real tokens, padding excluded (for MFU)
+        squared_lengths(rows),
+        sum(run.objective.units(b) for b in micro_batches),
+    ]
+    return StepBatches(rows, m, [pinned(b, device) for b in micro_batches], counts)
 
 
 def evaluation_due(run: Run, step: int) -> bool:
@@ -287,7 +328,7 @@ def evaluate_and_log(run: Run, metrics: MetricsLogger, step: int, rows: int) -> 
     return eval_loss
 
 
-def measured_step(run: Run, examples: list[dict], step: int) -> tuple[StepResult | None, int | None, int | None]:
+def measured_step(run: Run, batches: StepBatches, step: int) -> tuple[StepResult | None, int | None, int | None]:
     """`train_step`, and its peak live and reserved bytes where 0-based `step` is measured. On CUDA the allocator
     counts for free; on a CPU counting live tensors slows a step down (~1.5x on tiny models), so only the first steps
     and the logged ones are measured there. Steps 3 and 4 are never counted: they time the step for the time model
@@ -295,10 +336,10 @@ def measured_step(run: Run, examples: list[dict], step: int) -> tuple[StepResult
     acc = run.accelerator
     every = run.recipe.logging.every_n_steps
     if not (acc.device.type == "cuda" or step < 2 or (step > 3 and (step + 1) % every == 0)):
-        return train_step(run, examples), None, None
+        return train_step(run, batches), None, None
     tracker = PeakMemoryTracker(acc.device, baseline=[run.model, run.optimizer])
     with tracker:
-        result = train_step(run, examples)
+        result = train_step(run, batches)
     # The reserved bytes are what the budget is held against.
     return result, tracker.peak_bytes, tracker.peak_reserved_bytes
 
@@ -307,14 +348,14 @@ def save_or_stop(run: Run, step: int, preemption: Preemption, checkpoint_ok: boo
     """Checkpoint when it is due, or when a signal reached any process (then True: all stop together). A step whose
     loss was non-finite (`checkpoint_ok` False) is not checkpointed: the last good checkpoint stays newest."""
     every = run.recipe.checkpoint.every_n_steps
-    stop = preemption.requested_anywhere(run.accelerator)
+    stop = preemption.requested_anywhere(run.host_group)
     if stop:
         preemption.boundary()
     if stop or (every and step % every == 0 and checkpoint_ok):
         with preemption.saving():  # never cut by the signal watchdog, however long the save takes
             save(run, step)
         # A signal that came during the save: the checkpoint just written is the one to stop at, not one step later.
-        if not stop and preemption.requested_anywhere(run.accelerator):
+        if not stop and preemption.requested_anywhere(run.host_group):
             preemption.boundary()
             stop = True
     return stop
@@ -332,62 +373,86 @@ def collate_for(run: Run, examples: list[dict]) -> dict[str, torch.Tensor]:
     )
 
 
-def train_step(run: Run, examples: list[dict]) -> StepResult | None:
-    """One optimizer step over this process's examples, or None when it ran out of memory in a forward or
-    backward and the plan was shrunk (one process without DeepSpeed; otherwise `stop_after_out_of_memory`)."""
-    acc, model, m = run.accelerator, run.model, run.plan.micro_batch_size
-    micro_batches = [collate_for(run, examples[i : i + m]) for i in range(0, len(examples), m)]
+def train_step(run: Run, batches: StepBatches | list[dict]) -> StepResult | None:
+    """One optimizer step over this process's batches (or rows, split here), or None when it ran out of memory in a
+    forward or backward and the plan was shrunk (one process without DeepSpeed; otherwise `stop_after_out_of_memory`).
+
+    The host waits for the device once a step, whatever the micro-batches: the window's counts are host integers
+    (summed over processes on the host), every micro-batch is copied from pinned memory without waiting, and the
+    loss, statistics and gradient norm are read together (`clip_and_update`)."""
+    acc, model = run.accelerator, run.model
+    if not isinstance(batches, StepBatches):
+        batches = step_batches(run, batches)
     # The loss is summed per unit (trained token, or pair) and divided by the units of the whole window on all
     # processes, so long and short examples weigh the same whatever the micro-batching. DDP averages gradients
     # over processes, hence the factor num_processes.
-    trained = sum(trained_tokens(b) for b in micro_batches)
-    units = sum(run.objective.units(b) for b in micro_batches)
-    processed = sum(len(e["input_ids"]) for e in examples)  # real tokens, padding excluded (for MFU)
-    # As Python ints: no bookkeeping tensor stays alive through the window's forwards and backwards.
-    counts = [trained, processed, squared_lengths(examples), units]
-    total, processed, squares, units = acc.reduce(torch.tensor(counts, device=acc.device), reduction="sum").tolist()
+    total, processed, squares, units = parallel.sum_on_host(batches.counts, run.host_group)
     scale = acc.num_processes / max(units, 1)
     sums = torch.zeros((), device=acc.device)  # [loss, *the objective's stats], summed
     oom = False
     try:
-        for i, batch in enumerate(micro_batches):
-            batch = to_device(batch, acc.device)
-            with parallel.micro_step(acc, run.engine, model, last=i == len(micro_batches) - 1):
-                out = model(**batch).reshape(-1)
+        for i, batch in enumerate(batches.micro_batches):
+            with parallel.micro_step(acc, run.engine, model, last=i == len(batches.micro_batches) - 1):
+                out = model(**to_device(batch, acc.device)).reshape(-1)
                 parallel.backward(acc, run.engine, out[0] * scale)
             sums = sums + out.detach().float()
     except torch.OutOfMemoryError:
         if not parallel.can_redo_step(acc, run.engine):
-            stop_after_out_of_memory(run, "forward/backward", len(examples))
+            stop_after_out_of_memory(run, "forward/backward", len(batches.rows))
         oom = True
     if oom:  # nothing was updated yet: the same step is redone with smaller micro-batches
         run.optimizer.zero_grad(set_to_none=True)
-        run.plan = shrink_plan(run.plan, len(examples))
+        run.plan = shrink_plan(run.plan, len(batches.rows))
         log.warning(
             "out of memory: micro-batch now %d, accumulation %d", run.plan.micro_batch_size, run.plan.grad_accum_steps
         )
         return None
-    loss, *stats = acc.reduce(sums, reduction="sum").reshape(-1).tolist()
-    loss /= max(units, 1)
-    grad_norm, overflow, finite, scale = float("nan"), False, math.isfinite(loss), None
-    if finite:
-        try:
-            grad_norm = parallel.clip_grad_norm(acc, run.engine, model, run.recipe.training.max_grad_norm)
-            # A finite loss can still give inf/nan gradients: stepping would write them into the weights and the
-            # next checkpoint, unless the engine's update skips them itself.
-            finite = math.isfinite(grad_norm) or parallel.skips_nonfinite_updates(acc, run.engine)
-            if finite:
-                scale = parallel.loss_scale(acc.scaler)
-                overflow = parallel.optimizer_step(run.optimizer, acc.scaler)
-                # fp16's scaler skips an update whose scaled gradients overflowed and halves its scale. Above scale 1
-                # that is the scaler finding its level; at 1 or below the gradients overflow unscaled: non-finite, and
-                # counted by the guard like any other, or a run that overflows every step would never stop.
-                finite = not (overflow and scale is not None and scale <= 1)
-        except torch.OutOfMemoryError:  # the weights may be half-updated: only the last checkpoint is sound
-            stop_after_out_of_memory(run, "clipping/optimizer step", len(examples))
+    try:
+        loss, stats, grad_norm, overflow, finite, loss_scale = clip_and_update(run, acc.reduce(sums, reduction="sum"))
+    except torch.OutOfMemoryError:  # the weights may be half-updated: only the last checkpoint is sound
+        stop_after_out_of_memory(run, "clipping/optimizer step", len(batches.rows))
     run.optimizer.zero_grad(set_to_none=True)
     flops = run.flops.step(processed, total, squares)
-    return StepResult(loss, total, flops, grad_norm, overflow, finite, run.objective.metrics(stats, units), scale)
+    metrics = run.objective.metrics(stats, units)
+    return StepResult(loss / max(units, 1), total, flops, grad_norm, overflow, finite, metrics, loss_scale)
+
+
+def clip_and_update(run: Run, sums: torch.Tensor) -> tuple[float, list[float], float, bool, bool, float | None]:
+    """Clip, and update unless the loss or the gradients are non-finite; (loss summed, the objective's stats summed,
+    grad norm, overflow, finite, loss scale) read from the device in one copy: each `float()` or `.item()` of a
+    device tensor waits for all the work queued before it.
+
+    Where the loop decides the skip itself, the read comes before the update. fp16's scaler and DeepSpeed keep inf/nan
+    gradients out of the weights themselves: there the update comes first and the read after it, so a non-finite
+    loss whose gradients are finite would be stepped (a non-finite loss comes from non-finite logits, whose gradients
+    are not finite either); it is counted by the guard all the same. fp16: an overflow skips the update and halves
+    the scale, which above 1 is the scaler finding its level; at 1 or below the gradients overflow unscaled:
+    non-finite, and counted by the guard like any other, or a run that overflows every step would never stop.
+    """
+    acc, engine, optimizer = run.accelerator, run.engine, run.optimizer
+    norm = parallel.clip_grad_norm(acc, engine, run.model, run.recipe.training.max_grad_norm)
+    if not parallel.skips_nonfinite_updates(acc, engine):
+        loss, *stats, grad_norm = read_once(sums, norm)
+        # A finite loss can still give inf/nan gradients: stepping would write them into the weights and the next
+        # checkpoint.
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            parallel.optimizer_step(optimizer, None)
+        return loss, stats, grad_norm, False, finite, None
+    fp16 = parallel.optimizer_step(optimizer, acc.scaler)
+    if fp16 is None:  # DeepSpeed: the engine stepped, or skipped, inside the window's last backward
+        loss, *stats, grad_norm = read_once(sums, norm)
+        scale, overflow = None, parallel.step_was_skipped(optimizer)
+    else:
+        loss, *stats, grad_norm, scale, skipped = read_once(sums, norm, fp16)
+        overflow = bool(skipped)
+    finite = math.isfinite(loss) and not (overflow and scale is not None and scale <= 1)
+    return loss, stats, grad_norm, overflow, finite, scale
+
+
+def read_once(*tensors: torch.Tensor) -> list[float]:
+    """The tensors' values on the host, in one copy from the device."""
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors]).tolist()
 
 
 @torch.no_grad()
@@ -403,7 +468,7 @@ def evaluate(run: Run) -> float:
     for examples in batches:
         batch = collate_for(run, examples)
         units += run.objective.units(batch)
-        loss_sum += model(**to_device(batch, acc.device)).reshape(-1)[0].float()
+        loss_sum += model(**to_device(pinned(batch, acc.device), acc.device)).reshape(-1)[0].float()
     model.train()
     return float(acc.reduce(loss_sum, reduction="sum") / acc.reduce(units, reduction="sum").clamp(min=1))
 

@@ -167,8 +167,9 @@ def document_offsets(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
-    """The batch's tensors on `device`; its other values (`with_documents`' lengths, Python ints) as they are."""
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    """The batch's tensors on `device`, queued behind the work already there (from pinned memory a copy that does not
+    wait: `llmtune.data.prefetch.pinned`); its other values (`with_documents`' lengths, Python ints) as they are."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def sequences_of(row: dict[str, Any]) -> list[tuple[int, int]]:

@@ -229,7 +229,9 @@ class PeakMemoryTracker:
 
     def __enter__(self) -> PeakMemoryTracker:
         if self.is_cuda:
-            torch.cuda.synchronize(self.device)
+            # No `synchronize`, here or at exit: the caching allocator counts on the host, as the host queues each
+            # allocation (in stream order), so its figures are the step's before the device has run it. Waiting for
+            # the device would only empty its queue, every measured step.
             if self.limit_bytes is not None:
                 total = torch.cuda.get_device_properties(self.device).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, self.limit_bytes / total), self._index())
@@ -254,7 +256,6 @@ class PeakMemoryTracker:
 
     def __exit__(self, *exc: object) -> None:
         if self.is_cuda:
-            torch.cuda.synchronize(self.device)
             self._cuda_peak_after_exit = torch.cuda.max_memory_allocated(self.device)
             self._cuda_reserved_after_exit = torch.cuda.max_memory_reserved(self.device)
             if self.limit_bytes is not None:
