@@ -2,11 +2,15 @@
 catalogue's config), full fine-tune, bf16 mixed, 8 x 2048 packed rows, checkpointing off, fused AdamW.
 
 Each row is the estimator's traced step (fake tensors, nothing loaded) timed by `llmtune.timing` at the card's
-datasheet rates: eager blocks as before issue 42, compiled blocks (`training.compile: auto`), and loss chunks of
-1024 rows (where issue 42's loss head aims, against `loss.default_chunk_size`'s 128 at vocab 128256). Each term
-(matmul FLOPs, memory-bound bytes in and out of the blocks, launches) is given, so what a change moves is visible.
-Varlen attention is added by hand: the trace times SDPA's FLOPs as torch's formula counts them (every L^2 pair of
-a row, the dense mask's), while a varlen kernel runs each document's causal block only.
+datasheet rates, issue 42's changes added one at a time: eager blocks and 128-row loss chunks as before it
+(`loss.default_chunk_size` at vocab 128256), compiled blocks (`training.compile: auto`), varlen attention, and the
+loss chunk a run plans on the card (`llmtune.memory.loss_chunk_rows`: `llmtune.loss.chunk_rows` of the card's
+datasheet peak over its bandwidth, within its memory budget as `llmtune estimate --gpu` takes it). Each term (matmul
+FLOPs, memory-bound bytes in and out of the blocks, launches) is given, so what a change moves is visible. The loss's
+in-place fp32 weight-gradient accumulation (issue 42's loss head) is in every row: the code traced is today's.
+Attention's FLOPs are set by hand: the trace runs the kernel a run loads (`llmtune_varlen`: flash's varlen on a GPU)
+over its rows of one document each, and torch's formula counts every L^2 pair of a document, causal or not, so the
+traced step counts what the dense mask computed before; a varlen kernel runs each document's causal block only.
 
     .venv/bin/python -m benchmarks.hotpath_forecast [--gpu h100-80gb] [--doc-tokens 512]
 
@@ -36,13 +40,14 @@ def traced(config, chunk_size: int | None):
 
 
 def attention_flops(config, doc_tokens: int | None) -> float:
-    """Forward + backward attention FLOPs of the step: QK^T and PV (4 x pairs x head_dim a head), backward twice
-    forward; every L^2 pair of a row (`doc_tokens` None: the dense mask), or each document's causal half."""
+    """Forward + backward attention FLOPs of the step: QK^T and PV (4 x pairs x head_dim a head), backward 2.5 x
+    forward (torch's formula, as flash's backward runs: the scores recomputed, then dV, dP, dQ and dK); every L^2 pair
+    of a row (`doc_tokens` None: what the trace counts), or each document's causal half."""
     text = config.get_text_config()
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     pairs = SEQ * SEQ if doc_tokens is None else (SEQ // doc_tokens) * doc_tokens * (doc_tokens + 1) / 2
-    return 3 * 4 * MICRO * pairs * heads * head_dim * text.num_hidden_layers
+    return 3.5 * 4 * MICRO * pairs * heads * head_dim * text.num_hidden_layers
 
 
 def flops_per_token(config, doc_tokens: int) -> float:
@@ -81,6 +86,8 @@ def row(name: str, rates, est, flops_off: float = 0.0) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     from llmtune.catalogue import datasheet_peak_flops
+    from llmtune.memory import loss_chunk_rows
+    from llmtune.memory.budget import planning_target
     from llmtune.model import resolve_config
     from llmtune.timing import compiled, datasheet_rates
 
@@ -91,13 +98,20 @@ def main(argv: list[str] | None = None) -> dict:
     config = resolve_config("llama-3.2-1b")
     eager = datasheet_rates(a.gpu, "bf16")
     peak = datasheet_peak_flops(a.gpu.lower().replace("-", " "))
-    today, big_chunks = traced(config, None), traced(config, 1024)
+    budget = planning_target(device_memory=None, gpu=a.gpu, device="cuda").budget_bytes
+    chunk = loss_chunk_rows(config, device="cuda", gpu=a.gpu, budget_bytes=budget)
+    before, planned = traced(config, None), traced(config, chunk)
     dense, varlen = attention_flops(config, None), attention_flops(config, a.doc_tokens)
     rows = [
-        row("today: eager blocks, 128-row loss chunks, dense-mask attention", eager, today),
-        row("+ compile (training.compile: auto)", compiled(eager), today),
-        row(f"+ varlen attention ({a.doc_tokens}-token documents)", compiled(eager), today, dense - varlen),
-        row("+ 1024-row loss chunks", compiled(eager), big_chunks, dense - varlen),
+        row("eager blocks, 128-row loss chunks, dense-mask attention", eager, before),
+        row("+ compile (training.compile: auto)", compiled(eager), before),
+        row(f"+ varlen attention ({a.doc_tokens}-token documents)", compiled(eager), before, dense - varlen),
+        row(
+            f"+ the planned loss chunk ({chunk} rows: llmtune.loss.chunk_rows)",
+            compiled(eager),
+            planned,
+            dense - varlen,
+        ),
     ]
     per_token = flops_per_token(config, a.doc_tokens)
     for r in rows:
@@ -107,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python -m benchmarks.hotpath_forecast " + " ".join(argv if argv is not None else sys.argv[1:]),
         "gpu": a.gpu,
         "rates": eager.source,
+        "loss_chunk_rows": chunk,
         "model_flops_per_token": per_token,
         "rows": rows,
     }

@@ -16,10 +16,13 @@ No mask function is registered for `VARLEN`, so transformers' mask creation exit
 mask, and no reading of `position_ids` on the device to find the documents (`find_packed_sequence_indices`, a
 host synchronisation every forward).
 
-`attention_for` is where a run picks it: packed SFT rows on a model that calls `AttentionInterface`, in place of
-`sdpa` (the recipe default), which would build the block mask. `eager` and `flash_attention_2` are loaded as asked;
-`flash_attention_2` reads the same `cu_seq_lens` (transformers' varlen path), which keeps examples apart at any
-micro-batch size (transformers' own position-id detection treats only batch size 1 as packed).
+`attention_for` is where a run picks it: packed SFT rows and packed preference pairs on a model that calls
+`AttentionInterface`, in place of `sdpa` (the recipe default), which would build the block mask. A pair's reference
+forward runs the same implementation: the policy itself (adapters off, or a precomputed reference's forward through
+the prepared module) or its frozen copy (`objectives.base.frozen_copy`, a deepcopy that keeps the config's choice).
+`eager` and `flash_attention_2` are loaded as asked; `flash_attention_2` reads the same `cu_seq_lens` (transformers'
+varlen path), which keeps examples apart at any micro-batch size (transformers' own position-id detection treats only
+batch size 1 as packed).
 """
 
 from __future__ import annotations
@@ -57,12 +60,21 @@ def planned_device(device_type: str) -> Iterator[None]:
         _planned_device.reset(token)
 
 
+# The objectives whose collate gives a packed micro-batch its documents (`with_documents`) and whose forwards pass them
+# to the model: SFT's rows and preference pairs (llmtune.preference). GRPO never packs, and generates from left-padded
+# prompts, which `VARLEN` does not run.
+DOCUMENTED_OBJECTIVES = ("sft", "dpo", "orpo", "simpo")
+
+
 def attention_for(requested: str, *, packed: bool, objective: str, config: PretrainedConfig) -> str:
-    """The attention implementation a run loads: `VARLEN` for packed SFT rows where `requested` is sdpa and the model
-    can run it (`varlen_refusal`), else `requested`. Preference pairs and GRPO keep `requested`: their forwards
-    (llmtune.preference) pass the model no `cu_seq_lens`, which `varlen_attention` would find from the position ids in
-    every layer (exact, but a synchronisation each on a GPU)."""
-    if requested != "sdpa" or not packed or objective != "sft" or varlen_refusal(config) is not None:
+    """The attention implementation a run loads: `VARLEN` for packed rows of `DOCUMENTED_OBJECTIVES` where `requested`
+    is sdpa and the model can run it (`varlen_refusal`), else `requested`."""
+    if (
+        requested != "sdpa"
+        or not packed
+        or objective not in DOCUMENTED_OBJECTIVES
+        or varlen_refusal(config) is not None
+    ):
         return requested
     return VARLEN
 
@@ -109,8 +121,8 @@ def varlen_attention(
         position_ids = kwargs.get("position_ids")
         if position_ids is None or key.shape[2] != query.shape[2]:  # generating: rows are whole sequences
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-        # A caller that passed no documents (preference's forwards, a benchmark's plain collate): found here from the
-        # position ids, in every layer, which on a GPU costs a synchronisation; exact either way.
+        # A caller that passed no documents (a benchmark's plain collate): found here from the position ids, in every
+        # layer, which on a GPU costs a synchronisation; exact either way.
         cu_seq_lens_q = cu_seq_lens_k = document_offsets(position_ids.expand(query.shape[0], -1))
         max_length_q = max_length_k = int(cu_seq_lens_q.diff().max())
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -3,11 +3,12 @@
 The preference objective's machinery (llmtune.objectives.preference plugs it into the loop):
 
 * batch assembly (`collate_pairs`, on `llmtune.data.collate`): a pair is two sequences (llmtune.data.pairs),
-  chosen first. Packed, rows hold whole pairs back to back with position ids restarting per sequence (transformers
-  then builds a block-diagonal mask, as for packed SFT); unpacked, each sequence gets its own padded row
-  (chosen, rejected, chosen, ...; the layout TRL uses). `segment_ids` numbers the sequences of the
-  micro-batch (2k chosen, 2k + 1 rejected of pair k; -1 on padding), so log-probabilities are summed per
-  sequence the same way in both layouts.
+  chosen first. Packed, rows hold whole pairs back to back with position ids restarting per sequence, and the
+  micro-batch carries each sequence as a document (`with_documents`), which the log-prob forwards pass to the
+  model: its attention runs each sequence's causal block alone, as for packed SFT (llmtune.attention); unpacked,
+  each sequence gets its own padded row (chosen, rejected, chosen, ...; the layout TRL uses). `segment_ids` numbers
+  the sequences of the micro-batch (2k chosen, 2k + 1 rejected of pair k; -1 on padding), so log-probabilities are
+  summed per sequence the same way in both layouts.
 * per-sequence log-probabilities (`sequence_logps`): the decoder's hidden states, then `token_logps`,
   which computes the completion tokens' log-probabilities chunk by chunk and never holds the N x V
   logits (backward recomputes each chunk's logits: one extra lm_head matmul per chunk).
@@ -36,6 +37,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from llmtune.data import IGNORE, collate, sequences_of
+from llmtune.data.batch import to_device, with_documents
 from llmtune.loss import (
     ChunkGrads,
     ChunkHead,
@@ -63,9 +65,10 @@ STATS = ("rewards_chosen", "rewards_rejected", "preference_accuracy")
 
 def collate_pairs(
     examples: list[dict], *, pad_token_id: int, packed: bool, pad_to_multiple_of: int | None = None
-) -> dict[str, Tensor]:
+) -> dict[str, Any]:
     """One micro-batch of pairs (see the module docstring): `collate`'s rows (unpacked, one per sequence) with
-    `segment_ids` and `pair_ids`, and `ref_logps` [pairs, 2] when the rows carry them."""
+    `segment_ids` and `pair_ids`, `ref_logps` [pairs, 2] when the rows carry them, and packed, the rows' documents
+    (`with_documents`: found here on the host, where no layer then waits for the device to find them)."""
     if not examples:
         raise ValueError("collate_pairs: empty micro-batch")
     keys = ("input_ids", "labels", "position_ids")
@@ -85,7 +88,7 @@ def collate_pairs(
     if "ref_logps" in examples[0]:
         values = [v for e in examples for v in e["ref_logps"]]
         batch["ref_logps"] = torch.tensor(values, dtype=torch.float32).view(-1, 2)
-    return batch
+    return with_documents(batch) if packed else batch
 
 
 def pairs_in(batch: dict[str, Tensor]) -> int:
@@ -166,14 +169,14 @@ def token_logps(
 
 
 def labelled_logps(
-    model: torch.nn.Module, impl: LossImpl, chunk_size: int, batch: dict[str, Tensor], temperature: float = 1.0
+    model: torch.nn.Module, impl: LossImpl, chunk_size: int, batch: dict[str, Any], temperature: float = 1.0
 ) -> tuple[Tensor, Tensor]:
     """(fp32 log-prob of each labelled token, its flat index in the [rows, width] batch), in row-major order.
 
     `temperature` divides the logits first (GRPO scores its samples as they were drawn, as TRL does). The labelled
     tokens are the batch's `loss_rows`, found by its collate on the host; without them, found here (on a GPU, a wait
-    for it)."""
-    inputs = {k: batch.get(k) for k in ("input_ids", "attention_mask", "position_ids")}
+    for it). A packed batch's documents go to the model with its rows (`documents_of`)."""
+    inputs = {k: batch.get(k) for k in ("input_ids", "attention_mask", "position_ids")} | documents_of(batch)
     # hidden[t] predicts token t + 1: targets are shifted left by one.
     targets = F.pad(batch["labels"], (0, 1), value=IGNORE)[:, 1:].reshape(-1)
     rows = batch["loss_rows"] if "loss_rows" in batch else loss_rows(batch["labels"])
@@ -201,8 +204,14 @@ def labelled_logps(
     return logps, rows
 
 
+def documents_of(batch: dict[str, Any]) -> dict[str, Any]:
+    """A packed batch's documents (`llmtune.data.batch.with_documents`: cu_seq_lens_q/k, max_length_q/k), as the
+    model's forward takes them for its attention; none for an unpacked one."""
+    return {k: v for k, v in batch.items() if k.startswith(("cu_seq_lens_", "max_length_"))}
+
+
 def sequence_logps(
-    model: torch.nn.Module, impl: LossImpl, chunk_size: int, batch: dict[str, Tensor]
+    model: torch.nn.Module, impl: LossImpl, chunk_size: int, batch: dict[str, Any]
 ) -> tuple[Tensor, Tensor]:
     """(summed completion log-probs, completion tokens) per sequence, each [pairs, 2] (chosen, rejected)."""
     logps, rows = labelled_logps(model, impl, chunk_size, batch)
@@ -312,7 +321,7 @@ class PreferenceModel(torch.nn.Module):
         self.chunk_size = chunk_size or default_chunk_size(text_config(model.config).vocab_size)
         self._reference_model = (reference_model,)  # a tuple: not registered as a submodule
 
-    def reference_logps(self, batch: dict[str, Tensor]) -> Tensor:
+    def reference_logps(self, batch: dict[str, Any]) -> Tensor:
         with torch.no_grad():
             if self.reference == "adapter_disabled":
                 with self.model.disable_adapter():
@@ -321,7 +330,7 @@ class PreferenceModel(torch.nn.Module):
             reference = self._reference_model[0] if self.reference == "copy" else self.model
             return sequence_logps(reference, self.impl, self.chunk_size, batch)[0]
 
-    def forward(self, reference_only: bool = False, **batch: Tensor) -> Tensor:
+    def forward(self, reference_only: bool = False, **batch: Any) -> Tensor:
         if reference_only:  # compute_reference: through the prepared module, as the policy's own forward runs
             return self.reference_logps(batch)
         ref = batch.get("ref_logps")
@@ -373,7 +382,7 @@ def compute_reference(model: torch.nn.Module, rows: Any, collate, batch_size: in
     model.eval()
     for start in range(0, batches * batch_size, batch_size):
         index = mine[start : start + batch_size]
-        batch = {k: v.to(acc.device) for k, v in collate(rows.select(index or [0]).to_list()).items()}
+        batch = to_device(collate(rows.select(index or [0]).to_list()), acc.device)
         logps = model(**batch, reference_only=True)
         if index:
             at = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in index]).to(acc.device)

@@ -576,7 +576,8 @@ def test_preference_step_estimate_matches_measured(objective: str, reference: st
 
     cfg, micro, seq = tiny_config("llama"), 2, 128
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
+    attn = attention_for("sdpa", packed=layout == "packed", objective=objective, config=cfg)  # as a run loads it
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     model.config.use_cache = False
     frozen = copying.deepcopy(model).requires_grad_(False).eval() if reference == "copy" else None
     if lora:

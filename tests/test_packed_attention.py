@@ -1,5 +1,5 @@
 """Packed rows' attention: each document alone, for every attention implementation a run accepts, and no more work
-than the documents' causal blocks.
+than the documents' causal blocks; for SFT's rows and for preference pairs (each sequence of a pair a document).
 
 flash-attn cannot run on a CPU: `reference_flash_attn` registers, where transformers' flash_attention_2 path looks
 its kernels up, a pure-torch implementation of flash-attn's contract (`flash_attn_func` on [B, L, H, D],
@@ -8,7 +8,9 @@ its kernels up, a pure-torch implementation of flash-attn's contract (`flash_att
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -35,7 +37,8 @@ def _documents(rows: list[list[int]] = ROWS) -> list[dict]:
     return docs
 
 
-def _packed_rows(docs: list[dict], shape: list[list[int]] = ROWS) -> list[dict]:
+def _packed_rows(docs: list[dict], shape: list[list] = ROWS) -> list[dict]:
+    """`docs` packed into rows of `len(shape[i])` each, position ids restarting per document (a pair's own kept)."""
     rows, it = [], iter(docs)
     for lengths in shape:
         row = [next(it) for _ in lengths]
@@ -43,10 +46,34 @@ def _packed_rows(docs: list[dict], shape: list[list[int]] = ROWS) -> list[dict]:
             {
                 "input_ids": [t for d in row for t in d["input_ids"]],
                 "labels": [t for d in row for t in d["labels"]],
-                "position_ids": [p for d in row for p in range(len(d["input_ids"]))],
+                "position_ids": [p for d in row for p in d.get("position_ids", range(len(d["input_ids"])))],
             }
         )
     return rows
+
+
+# Rows of preference pairs (chosen, rejected lengths): a micro-batch of 2, the second row shorter (padded).
+PAIR_ROWS = [[(6, 8), (5, 4)], [(9, 7)]]
+# Rows of 1,024 and 1,000 tokens: a CPU runs one SDPA per sequence (`dense_is_cheaper`), as for LONG_ROWS.
+LONG_PAIR_ROWS = [[(200, 256), (180, 240), (70, 78)], [(256, 250), (230, 200), (40, 24)]]
+PROMPT = 3  # each sequence's first tokens, untrained, as a pair's prompt
+
+
+def _pairs(rows: list[list[tuple[int, int]]] = PAIR_ROWS) -> list[dict]:
+    """Pairs as llmtune.data.pairs stores them: the chosen then the rejected sequence, position ids restarting, each
+    trained on its completion only."""
+    g = torch.Generator().manual_seed(1)
+    pairs = []
+    for lengths in (pair for row in rows for pair in row):
+        sides = [torch.randint(3, 100, (n,), generator=g).tolist() for n in lengths]
+        pairs.append(
+            {
+                "input_ids": [t for side in sides for t in side],
+                "labels": [t if i >= PROMPT else -100 for side in sides for i, t in enumerate(side)],
+                "position_ids": [p for n in lengths for p in range(n)],
+            }
+        )
+    return pairs
 
 
 # ---------------------------------------------------------------- flash-attn's contract in pure torch
@@ -119,10 +146,11 @@ def reference_flash_attn():
 # ---------------------------------------------------------------- packed = unpacked, every implementation
 
 
-def _model(tiny_recipe, attn: str, load_as: str | None = None) -> tuple[torch.nn.Module, object]:
-    """The model a packed SFT run loads (`load_model`), and its objective; flash_attention_2 is loaded as sdpa (no
-    flash-attn here) and then switched, as transformers reads the implementation at every forward."""
-    recipe = load_recipe(tiny_recipe(model__attn_implementation=load_as or attn))
+def _model(tiny_recipe, attn: str, load_as: str | None = None, **overrides) -> tuple[torch.nn.Module, object]:
+    """The model a packed run loads (`load_model`; SFT unless `overrides` say otherwise), and its objective;
+    flash_attention_2 is loaded as sdpa (no flash-attn here) and then switched, as transformers reads the
+    implementation at every forward."""
+    recipe = load_recipe(tiny_recipe(model__attn_implementation=load_as or attn, **overrides))
     config = __import__("transformers").AutoConfig.from_pretrained(recipe.model.name_or_path)
     model = load_model(recipe, "fp32", config).eval()
     if load_as is not None:
@@ -220,3 +248,51 @@ def test_packed_attention_computes_only_each_documents_causal_block(kernel, tiny
             CausalLMWithLoss(model, "chunked")(**batch)
     assert counted.masks == []
     assert counted.elements == layers * heads * sum(n * (n + 1) // 2 for n in spans)
+
+
+# ---------------------------------------------------------------- preference pairs
+
+
+def _dpo(tiny_recipe, attn: str, reference: str, load_as: str | None = None) -> tuple[torch.nn.Module, object, Any]:
+    """The model a packed DPO run loads, the module it trains (with its frozen copy, reference "copy") and the
+    objective's collate."""
+    pairs = [{"path": "pairs.jsonl", "format": "preference"}]  # read by no step here: the recipe must name one
+    overrides = dict(training__objective="dpo", data__train=pairs, preference__reference=reference)
+    model, objective = _model(tiny_recipe, attn, load_as, **overrides)
+    collate = functools.partial(objective.collate, pad_token_id=0)
+    return model, objective.module(model, "chunked", torch.device("cpu"), None), collate
+
+
+@pytest.mark.parametrize("case", ["eager", "flash_attention_2", "sdpa"])
+def test_packed_pairs_log_probs_equal_the_pairs_alone(case, tiny_recipe):
+    """A micro-batch of 2 packed rows of pairs, as a packed DPO run collates it, gives each sequence the log-prob it
+    has in its own row: eager; flash_attention_2 (before, the pairs' forwards passed no documents and a micro-batch of
+    2 attended across pairs); sdpa, which a packed DPO run now loads as `llmtune_varlen` (before: sdpa and its
+    block mask). Through `reference_only`, the forward a precomputed reference runs through the prepared module."""
+    model, module, collate = _dpo(tiny_recipe, case, "precomputed", "sdpa" if case == "flash_attention_2" else None)
+    assert model.config._attn_implementation == ("llmtune_varlen" if case == "sdpa" else case)
+    pairs = _pairs()
+    with torch.no_grad(), reference_flash_attn() if case == "flash_attention_2" else contextlib.nullcontext():
+        together = module(**collate(_packed_rows(pairs, PAIR_ROWS), packed=True), reference_only=True)
+        alone = torch.cat([module(**collate([p], packed=False), reference_only=True) for p in pairs])
+    assert torch.allclose(together, alone, rtol=1e-5, atol=1e-4), (case, together, alone)
+
+
+@pytest.mark.parametrize("kernel", ["cpu", "flash"])
+def test_packed_pairs_attention_computes_only_each_sequences_causal_block(kernel, tiny_recipe, monkeypatch):
+    """A packed DPO step with a frozen copy for its reference (`objectives.base.frozen_copy`) computes, in its two
+    forwards (the reference's, the policy's), exactly the causal blocks of the pairs' sequences (and of the padding),
+    and builds no [rows, 1, L, L] mask: the copy runs the policy's attention. Before, pairs ran sdpa with the block
+    mask, every row's full L x L."""
+    model, module, collate = _dpo(tiny_recipe, "sdpa", "copy")
+    batch = collate(_packed_rows(_pairs(LONG_PAIR_ROWS), LONG_PAIR_ROWS), packed=True)
+    width = batch["input_ids"].shape[1]
+    spans = [n for row in LONG_PAIR_ROWS for pair in row for n in pair]
+    spans += [width - sum(map(sum, row)) for row in LONG_PAIR_ROWS if sum(map(sum, row)) < width]
+    heads, layers = model.config.num_attention_heads, model.config.num_hidden_layers
+    counted = ScoreCount()
+    with torch.no_grad(), varlen_kernel(kernel, monkeypatch) if kernel == "flash" else contextlib.nullcontext():
+        with counted:
+            module(**batch)
+    assert counted.masks == []
+    assert counted.elements == 2 * layers * heads * sum(n * (n + 1) // 2 for n in spans)

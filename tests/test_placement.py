@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from transformers.integrations import hub_kernels
 
 from llmtune.data import batch_for_step
+from llmtune.data.batch import to_device
 from llmtune.model import SetupError
 from llmtune.recipe import load_recipe
 from llmtune.train import build, collate_for, train
@@ -342,7 +343,7 @@ def test_setup_and_first_step_run_on_the_training_device(
     )
     # The first micro-batch's forward as train_step runs it (the copy's first, under no_grad). Not its backward: the
     # autograd engine wants the device's streams, which torch's Python-side placeholders do not give.
-    batch = {k: v.to(DEVICE) for k, v in collate_for(run, examples[:1]).items()}
+    batch = to_device(collate_for(run, examples[:1]), DEVICE)  # a packed batch's document lengths are ints
     assert run.model(**batch).device == DEVICE
     assert held_on(run.model) == {DEVICE}
     assert torch.ops.aten.embedding.default in on_device.on_device  # the forwards ran there

@@ -75,7 +75,7 @@ class Preference(FromData, Objective):
         }
         cache = Path(r.output_dir) / "reference"
 
-        def collate_rows(examples: list[dict]) -> dict[str, torch.Tensor]:
+        def collate_rows(examples: list[dict]) -> dict[str, Any]:
             return preference.collate_pairs(examples, pad_token_id=context.pad_token_id, packed=data.packed)
 
         def attach_rows(rows: Any) -> Any:
