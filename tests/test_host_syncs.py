@@ -139,11 +139,6 @@ CASES = {  # name: (objective, micro-batch); each step takes 4 rows (SFT) or 4 p
     "sft-1x4": ("sft", 4),
     "dpo-2x2": ("dpo", 2),
 }
-# Waits left in the models' forwards, outside the loop (issue 42 item 1, packed attention; at b1b5d1b): DPO's packed
-# pairs reach llmtune's varlen attention without their documents (preference's forwards pass no `cu_seq_lens`), which
-# it then finds from the position ids on the device in every layer (`batch.document_offsets`: `nonzero`, a blocking
-# copy, the longest read back): 3 waits a layer and a micro-batch.
-LEFT_IN_THE_FORWARD = {"dpo-2x2"}
 
 
 @pytest.fixture(scope="module")
@@ -188,15 +183,7 @@ def counted(tmp_path_factory, tiny_model_dir, tiny_data) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(case, marks=pytest.mark.xfail(reason="waits left in the forward", strict=True))
-        if case in LEFT_IN_THE_FORWARD
-        else case
-        for case in CASES
-    ],
-)
+@pytest.mark.parametrize("case", CASES)
 def test_a_step_waits_for_the_device_at_most_twice(counted, case):
     """A step that logs nothing waits for the device at most twice, whatever its micro-batches: its losses,
     statistics and gradient norm are read together, its counts and a stop are agreed on the host, its micro-batches
