@@ -32,7 +32,6 @@ import functools
 import importlib.util
 import inspect
 from collections.abc import Callable, Iterator
-from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -46,18 +45,20 @@ VARLEN = "llmtune_varlen"
 FLASH_MAX_HEAD_DIM = 256  # flash attention's kernels (torch's and flash-attn's) stop at head dim 256
 
 # The device type the kernel is chosen for when it is not the tensors' own: the memory estimator traces a CUDA step
-# on fake CPU tensors (llmtune.memory.kernels.CudaKernels sets it).
-_planned_device: ContextVar[str | None] = ContextVar("llmtune_planned_attention_device", default=None)
+# on fake CPU tensors (llmtune.memory.kernels.CudaKernels sets it). A plain global, not a ContextVar: a compiled block
+# reads it, and Dynamo cannot trace `ContextVar.get` (a graph break in every block); it guards on a global's value.
+_planned_device: str | None = None
 
 
 @contextlib.contextmanager
 def planned_device(device_type: str) -> Iterator[None]:
     """Choose the kernel as on `device_type`, whatever device the tensors are on."""
-    token = _planned_device.set(device_type)
+    global _planned_device
+    before, _planned_device = _planned_device, device_type
     try:
         yield
     finally:
-        _planned_device.reset(token)
+        _planned_device = before
 
 
 # The objectives whose collate gives a packed micro-batch its documents (`with_documents`) and whose forwards pass them
@@ -168,7 +169,7 @@ def block_mask_sdpa(
 
 def _runs_flash(query: torch.Tensor, dropout: float) -> bool:
     """Flash's varlen kernel runs 16-bit CUDA tensors of head dim up to 256, without dropout (torch's has none)."""
-    device = _planned_device.get() or query.device.type
+    device = _planned_device or query.device.type
     return (
         device == "cuda"
         and query.dtype in (torch.bfloat16, torch.float16)
