@@ -727,6 +727,21 @@ def section_mfu(ctx: Ctx, out: dict) -> None:
     out["ok"] = None if ctx.tiny else result["mfu"] >= TARGETS["mfu_1b_8x2048_packed"]
 
 
+def llmtune_side(ctx: Ctx, out: dict, recipe: dict, folder: Path, skip: int) -> dict:
+    """llmtune's run of a comparison, its time-model forecast and one profiled step, recorded in `out`; the device
+    released for the other tool."""
+    forecast = predicted(ctx, recipe)
+    ctx.check_time()
+    mine = vs_hf.run_llmtune(recipe, folder, skip=skip, after=profiled_step(ctx))
+    shutil.rmtree(recipe["output_dir"])
+    out["profile"] = {"llmtune": mine.pop("after")}
+    with_prediction(out, mine, forecast)
+    out["llmtune"] = mine
+    release()
+    ctx.check_time()
+    return mine
+
+
 def section_vs_hf(ctx: Ctx, out: dict) -> None:
     """llmtune against the HF Trainer at identical settings on the 1B shape: 8 rows of 2048 tokens (rows longer,
     truncated: no padding, no packing), bf16 autocast, fused AdamW, transformers' loss, no checkpointing, the same
@@ -740,15 +755,7 @@ def section_vs_hf(ctx: Ctx, out: dict) -> None:
     over, hf_kwargs = vs_hf.identical_trial(recipe["training"]["precision"], micro=ctx.size.hot[1])
     recipe = vs_hf.merge(recipe, over)
     tokenizer, ds, trained = vs_hf.hf_dataset(recipe, folder, steps)
-    forecast = predicted(ctx, recipe)
-    ctx.check_time()
-    mine = vs_hf.run_llmtune(recipe, folder, skip=skip, after=profiled_step(ctx))
-    shutil.rmtree(recipe["output_dir"])
-    out["profile"] = {"llmtune": mine.pop("after")}
-    with_prediction(out, mine, forecast)
-    out["llmtune"] = mine
-    release()
-    ctx.check_time()
+    mine = llmtune_side(ctx, out, recipe, folder, skip)
     assets = {"model_dir": recipe["model"]["name_or_path"], "data": str(ctx.data["hot_long"])}
     hf = vs_hf.run_hf(assets, tokenizer, ds, trained, steps=steps + 1, seed=0, tmp=folder, device=ctx.device.type,
                       profile_step=steps + 1, **hf_kwargs)  # fmt: skip
@@ -770,15 +777,7 @@ def section_vs_trl(ctx: Ctx, out: dict) -> None:
     skip = compile_skip(ctx)
     steps = vs_hf.TRACKED_STEPS + skip + ctx.size.hot_steps
     recipe = hot_recipe(ctx, folder, "hot_docs", packed=True, steps=steps)
-    forecast = predicted(ctx, recipe)
-    ctx.check_time()
-    mine = vs_hf.run_llmtune(recipe, folder, skip=skip, after=profiled_step(ctx))
-    shutil.rmtree(recipe["output_dir"])
-    out["profile"] = {"llmtune": mine.pop("after")}
-    with_prediction(out, mine, forecast)
-    out["llmtune"] = mine
-    release()
-    ctx.check_time()
+    mine = llmtune_side(ctx, out, recipe, folder, skip)
     trl_steps = vs_hf.TRACKED_STEPS + ctx.size.hot_steps + 1
     trl = vs_hf.run_trl(recipe["model"]["name_or_path"], str(ctx.data["hot_docs"]), max_length=ctx.size.hot[0],
                         micro=vs_hf.GLOBAL_BATCH, steps=trl_steps, seed=0, tmp=folder, device=ctx.device.type,
