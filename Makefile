@@ -68,15 +68,16 @@ train-real: install
 	.venv/bin/llmtune generate --run runs/smollm2-chat-lora --prompt '$(REAL_PROMPT)'
 
 # Two lanes side by side: the tests on real models and tokenizers (marker `real`: built from registry packages into
-# a cache outside the repo, then trained and rendered; mostly one core for ~4 min) and all the others. On CI's 2
-# cores a single pytest keeps about one busy. A lane that selects nothing (ARGS naming one file) is not a failure.
+# a cache outside the repo, then trained and rendered), then the long one-process modules (marker `beside`, given in
+# tests/conftest.py), and all the others, the multi-process launches last. On CI's 2 cores a single pytest keeps about
+# one busy. A lane that selects nothing (ARGS naming one file) is not a failure.
 test: install
-	@real_log=$$(mktemp); \
-	$(PY) -m pytest -q -m real --basetemp=$$(mktemp -d)/real $(ARGS) >"$$real_log" 2>&1 & real=$$!; \
-	$(PY) -m pytest -q -m "not real" --durations=25 $(ARGS); main=$$?; \
-	wait $$real; real_status=$$?; \
-	echo "---------------- the real-model lane (pytest -m real, ran beside the one above)"; cat "$$real_log"; \
-	[ $$main -eq 0 -o $$main -eq 5 ] && [ $$real_status -eq 0 -o $$real_status -eq 5 ]
+	@side_log=$$(mktemp); \
+	$(PY) -m pytest -q -m "real or beside" --durations=10 --basetemp=$$(mktemp -d)/side $(ARGS) >"$$side_log" 2>&1 & side=$$!; \
+	$(PY) -m pytest -q -m "not real and not beside" --durations=25 $(ARGS); main=$$?; \
+	wait $$side; side_status=$$?; \
+	echo "---------------- the second lane (pytest -m 'real or beside', ran beside the one above)"; cat "$$side_log"; \
+	[ $$main -eq 0 -o $$main -eq 5 ] && [ $$side_status -eq 0 -o $$side_status -eq 5 ]
 
 # The fault-injection suite: signals at every phase, a full disk, two launches, partial copies, changed resumes and
 # bad inputs, each against real runs; prints the table and writes benchmarks/results/faults-<date>.json (~6 min).

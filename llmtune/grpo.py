@@ -221,7 +221,7 @@ def gathered_once(module: torch.nn.Module) -> Iterator[None]:
 
     sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
     # Each module's reshard-after-forward as set by sharding (blocks True, the root False), restored after.
-    groups = [m._get_fsdp_state()._fsdp_param_groups for m in sharded]
+    groups = [_param_groups(m._get_fsdp_state()) for m in sharded]
     reshards = [any(g.post_forward_mesh_info is not None for g in gs) for gs in groups]
     for m in sharded:
         m.set_reshard_after_forward(False, recurse=False)
@@ -232,6 +232,14 @@ def gathered_once(module: torch.nn.Module) -> Iterator[None]:
         for m, reshard in zip(sharded, reshards, strict=True):
             m.set_reshard_after_forward(reshard, recurse=False)
             m.reshard()
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP2 module's parameter groups: a list since torch 2.12, one group (or None) before."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
 
 
 # ---------------------------------------------------------------- the loss

@@ -10,6 +10,18 @@ from pathlib import Path
 
 import pytest
 
+# Long one-process modules that `make test` runs in its second lane, with the real-model tests (`-m "real or
+# beside"`): the first lane holds the multi-process launches, which want both cores once the floor suite (CI) is done;
+# alone it ran ~15 min while the second lane ended after ~6 (CI, 2 cores).
+BESIDE = {
+    "tests/test_gpu_check.py",
+    "tests/test_bench.py",
+    "tests/test_planner.py",
+    "tests/test_memory.py",
+    "tests/test_engines.py",
+    "tests/test_estimate.py",
+}
+
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Modules that launch several processes run last, each module whole (its module fixtures are made once): CI runs
@@ -20,6 +32,9 @@ def pytest_collection_modifyitems(config, items) -> None:
 
     launching = {item.nodeid.split("::")[0] for item in items if "multiprocess" in item.keywords}
     items.sort(key=lambda item: item.nodeid.split("::")[0] in launching)  # stable: each module's own order stays
+    for item in items:
+        if item.nodeid.split("::")[0] in BESIDE:
+            item.add_marker(pytest.mark.beside)
 
     if torch.cuda.is_available():
         return

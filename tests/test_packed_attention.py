@@ -129,13 +129,14 @@ def reference_flash_attn():
         "_pad_fn",
         "_unpad_fn",
     ]
-    names += ["_process_flash_kwargs_fn", "_process_with_kvcache_kwargs_fn"]
-    saved = {n: getattr(fa, n) for n in names}
+    names += ["_process_flash_kwargs_fn", "_process_with_kvcache_kwargs_fn"]  # the latter: transformers >= 5.2x
+    saved = {n: getattr(fa, n) for n in names if hasattr(fa, n)}
     fa._loaded_implementation = "flash_attention_2"
     fa._flash_fn, fa._flash_varlen_fn, fa._flash_with_kvcache_fn = flash_attn_func, flash_attn_varlen_func, None
     fa._pad_fn, fa._unpad_fn = fa._pad_input, fa._unpad_input
     fa._process_flash_kwargs_fn = fa._lazy_define_process_function(flash_attn_varlen_func)
-    fa._process_with_kvcache_kwargs_fn = dict
+    if "_process_with_kvcache_kwargs_fn" in saved:
+        fa._process_with_kvcache_kwargs_fn = dict
     try:
         yield
     finally:
