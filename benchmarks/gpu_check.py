@@ -77,7 +77,7 @@ from typing import Any
 import torch
 import yaml
 
-from benchmarks import RESULTS, ROOT, vs_hf  # vs_hf: the llmtune-vs-HF trials, shared
+from benchmarks import RESULTS, ROOT, generation, optimizer, vs_hf  # vs_hf: the llmtune-vs-HF trials, shared
 from benchmarks.gpu_report import headline, markdown
 
 TARGETS = {
@@ -88,6 +88,8 @@ TARGETS = {
     "mfu_1b_8x2048_packed": 0.45,
     "vs_hf_identical_8x2048": 1.1,
     "vs_trl_padding_free": 1.3,
+    "bf16adamw_vs_torch_fused": 1.3,  # at most
+    "grpo_vs_generate": 0.9,
 }
 
 
@@ -788,6 +790,23 @@ def section_vs_trl(ctx: Ctx, out: dict) -> None:
     out["ok"] = None if ctx.tiny else out["tokens_per_s_ratio"] >= TARGETS["vs_trl_padding_free"]
 
 
+def section_optimizer(ctx: Ctx, out: dict) -> None:
+    """BF16AdamW (compiled: one kernel a parameter) against torch's fused AdamW on Llama-3.2-1B's parameter shapes at
+    half their widths (~300M parameters; `python -m benchmarks.optimizer`): step time, as a ratio."""
+    result = optimizer.main(["--device", "cuda", "--scale", "2", "--rounds", "10"])
+    out.update(result)
+    ratio = result["vs_torch_fused"]["bf16adamw_compiled"]
+    out["ok"] = not result["compiled_fell_back_to_eager"] and ratio <= TARGETS["bf16adamw_vs_torch_fused"]
+
+
+def section_generation(ctx: Ctx, out: dict) -> None:
+    """GRPO's sampling (one generate a batch, noise drawn on the device) against plain `model.generate` on the same
+    prompts (`python -m benchmarks.generation`): new tokens per second, as a ratio."""
+    result = generation.main(["--device", "cuda", "--hidden", "2048", "--layers", "4", "--new", "128"])
+    out.update(result)
+    out["ok"] = result["grpo_vs_generate"] >= TARGETS["grpo_vs_generate"]
+
+
 def launch_smoke(ctx: Ctx, out: dict, config_file: str, recipe: dict | None = None) -> None:
     """One process through `accelerate launch`: train `recipe` (default: SMOKE's) with a checkpoint, resume, load
     final/."""
@@ -1038,6 +1057,8 @@ SECTIONS: dict[str, tuple[Callable[[Ctx, dict], None], Callable[[Ctx], str | Non
     "mfu": (section_mfu, lambda ctx: None),
     "vs_hf": (section_vs_hf, lambda ctx: None),
     "vs_trl": (section_vs_trl, lambda ctx: None),
+    "optimizer": (section_optimizer, no_cuda(" (benchmarks.optimizer has the CPU figures)")),
+    "generation": (section_generation, no_cuda(" (benchmarks.generation has the CPU figures)")),
     "fp16": (section_fp16, no_cuda(" (llmtune refuses fp16 on a CPU)")),
     "bf16_true": (section_bf16_true, lambda ctx: None),
     "resume": (section_resume, lambda ctx: None),

@@ -14,7 +14,9 @@ CPU_SECTIONS = (
     "env", "mfu", "vs_hf", "vs_trl", "bf16_true", "resume", "dpo_reference", "generate_chat", "grpo", "planner",
     "planner_v2", "memory",
 )  # fmt: skip
-CUDA_SECTIONS = ("fp16", "gpu_tests", "fsdp2", "deepspeed_zero3", "fsdp2_dpo", "qlora", "cuda_kernels")
+CUDA_SECTIONS = (
+    "optimizer", "generation", "fp16", "gpu_tests", "fsdp2", "deepspeed_zero3", "fsdp2_dpo", "qlora", "cuda_kernels",
+)  # fmt: skip
 
 
 @pytest.mark.slow
