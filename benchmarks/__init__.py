@@ -16,6 +16,11 @@ Run them from the repository root, as modules (the package is found from there; 
     vs_hf       llmtune against the HF Trainer on the same work
     faults      signals, a full disk, two launches, partial copies, changed resumes and bad inputs injected into
                 real runs: what each leaves on disk, and whether the next run resumes the newest sound checkpoint
+    optimizer   BF16AdamW's step against torch's fused and foreach AdamW: time and kernels launched
+    generation  GRPO's sampling (one generate a batch, noise on the device) against plain `generate`: tokens/s
+    packed_attention  per-document SDPA against one block-masked SDPA over packed rows, on a CPU
+    compile_fusion    the bytes and kernels of a compiled decoder block against its eager ops (the time model's factors)
+    hotpath_forecast  the time model's step on the Llama-3.2-1B shape, before and with compile, varlen, loss chunks
     gpu_check   what llmtune promises, measured on a GPU in one command
     gpu_report  the GPU check's markdown report (imported by gpu_check, not run)
 
@@ -23,6 +28,7 @@ Dated results committed before the package existed name these as `scripts/bench_
 `scripts/gpu_check.py`: the same code, now `python -m benchmarks.<name>` and `python -m benchmarks.gpu_check`.
 """
 
+import json
 import os
 import sys
 from datetime import datetime, timezone
@@ -46,3 +52,11 @@ def run_header(module: str, argv: list[str] | None, device: str) -> dict:
             "torch": torch.__version__,
         },  # fmt: skip
     }
+
+
+def write_results(results: dict, module: str, device: str) -> Path:
+    """`results` (a `run_header` first, a `seconds` figure) as RESULTS/<module>_<device>.json, the path printed."""
+    out = RESULTS / f"{module}_{device}.json"
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {out} in {results['seconds']:.0f} s")
+    return out

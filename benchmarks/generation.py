@@ -15,14 +15,13 @@ Writes benchmarks/results/generation_cpu.json (generation_cuda.json on a GPU). T
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from benchmarks import RESULTS, run_header
+from benchmarks import run_header, write_results
 from llmtune import grpo
 from llmtune.recipe import GRPOConfig
 
@@ -90,9 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     for k, v in median.items():
         print(f"{k:10s} {v:9.0f} new tokens/s")
     print(f"grpo / generate: {results['grpo_vs_generate']:.2f}x")
-    out = RESULTS / f"generation_{a.device}.json"
-    out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {out} in {results['seconds']:.0f} s")
+    write_results(results, "generation", a.device)
     return results
 
 

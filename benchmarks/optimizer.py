@@ -20,7 +20,6 @@ Writes benchmarks/results/optimizer_cpu.json (optimizer_cuda.json on a GPU).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks import RESULTS, run_header
+from benchmarks import run_header, write_results
 from llmtune.optim import BF16AdamW
 
 
@@ -127,9 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'optimizer':20s} {'step ms':>8s} {'vs fused':>8s} {'launches':>8s} {'warm-up s':>9s}")
     for k in kinds:
         print(f"{k:20s} {median[k] * 1e3:8.2f} {results['vs_torch_fused'][k]:7.2f}x {counts[k]:8d} {warmup[k]:9.1f}")
-    out = RESULTS / f"optimizer_{a.device}.json"
-    out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {out} in {results['seconds']:.0f} s")
+    write_results(results, "optimizer", a.device)
     return results
 
 
