@@ -382,6 +382,21 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    sequence_parallel: int | Literal["auto"] = doc(
+        "Processes each packed row is split across along the sequence (Ulysses: all-to-all before and after"
+        " attention; docs/long-context.md). auto: the planner's choice among the degrees that divide the process"
+        " count and the model's heads (1 where whole rows fit); N: that degree.",
+        "auto",
+    )
+    tiled_mlp: bool | Literal["auto"] = doc(
+        "Compute each decoder MLP in sequence tiles, recomputed in backward, so its [tokens, intermediate]"
+        " activations exist one tile at a time (ALST's tiled MLP). auto: the planner's choice, where long rows need it.",
+        "auto",
+    )
+
+
+@dataclass(frozen=True)
 class Recipe:
     model: ModelConfig = doc("The causal LM and its tokenizer.")
     data: DataConfig = doc("Where the examples come from and how they become tokens.", factory=DataConfig)
@@ -405,6 +420,7 @@ class Recipe:
     )
     grpo: GRPOConfig = doc("Online RL settings (training.objective grpo).", factory=GRPOConfig)
     distributed: DistributedConfig = doc("Several processes (launched by accelerate).", factory=DistributedConfig)
+    parallel: ParallelConfig = doc("How a row's work is split: across processes, and in tiles.", factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         # As a shell would: left alone, `~/runs/x` made a folder named `~` in the working directory.
@@ -733,6 +749,8 @@ def _check_values(r: Recipe) -> list[tuple[str, str]]:
     need(0.0 <= r.data.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
     need(t.global_batch_size > 0, "training.global_batch_size", "must be positive")
     need(0 < r.distributed.timeout < math.inf, "distributed.timeout", "must be a positive number of seconds")
+    sp = r.parallel.sequence_parallel
+    need(sp == "auto" or (type(sp) is int and sp >= 1), "parallel.sequence_parallel", f"must be auto or >= 1, got {sp}")
     need(t.max_steps > 0, "training.max_steps", "must be positive")
     need(t.learning_rate > 0, "training.learning_rate", "must be positive")
     # A warmup longer than the run is allowed (smoke runs: max_steps=1): the rate never reaches its peak.

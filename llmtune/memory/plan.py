@@ -40,6 +40,10 @@ class BatchPlan:
     # The chunked loss's token rows per chunk, as the estimate traced them (`llmtune.loss.chunk_rows`); None: a plan
     # from before they were planned, whose loss takes the CPU's rule.
     chunk_rows: int | None = None
+    # Processes a row is split across along the sequence (llmtune.sequence); the data-parallel processes are
+    # num_processes // sequence_parallel, and global = micro x accumulation x those.
+    sequence_parallel: int = 1
+    tiled_mlp: bool = False  # each decoder MLP runs in sequence tiles (llmtune.tiling)
     estimate: MemoryEstimate | None = field(default=None, repr=False, compare=False)
     # grpo: the predicted peak of a generate call of `generation_rows` rows (llmtune.memory.generation)
     generation: GenerationEstimate | None = field(default=None, repr=False, compare=False)
