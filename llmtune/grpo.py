@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from llmtune import sequence
 from llmtune.data import IGNORE
 from llmtune.errors import UserError
 from llmtune.loss import LossImpl, default_chunk_size, loss_rows, text_config
@@ -269,7 +270,9 @@ def reduce_losses(loss: Tensor, row: Tensor, rows: int, kind: str) -> Tensor:
         return loss.sum()
     sums = torch.zeros(rows, dtype=loss.dtype, device=loss.device).index_add(0, row, loss)
     counts = torch.zeros(rows, dtype=loss.dtype, device=loss.device).index_add(0, row, torch.ones_like(loss))
-    return (sums / counts.clamp(min=1)).sum()
+    # Split along the sequence (llmtune.sequence), a completion's tokens are spread over the group's processes: each
+    # divides its part of the sum by the whole count, and the gradient reduction sums the parts.
+    return (sums / sequence.sum_over_group(counts).clamp(min=1)).sum()
 
 
 def units_of(batch: dict[str, Tensor], cfg: GRPOConfig) -> int:
@@ -326,10 +329,10 @@ class GRPOModel(torch.nn.Module):
         # The reference runs first, under no_grad: its activations are gone before the policy's are kept.
         ref = self.reference_logps(batch)
         logps, flat = self.logps(self.model, batch)
-        row = flat // batch["labels"].shape[1]
+        row = flat // batch["input_ids"].shape[1]
         old = batch["old_logps"] if "old_logps" in batch else logps.detach()
         loss, kl, clipped = token_losses(logps, old, batch["advantages"][row].float(), ref, self.cfg)
-        total = reduce_losses(loss, row, batch["labels"].shape[0], self.cfg.loss)
+        total = reduce_losses(loss, row, batch["input_ids"].shape[0], self.cfg.loss)
         stats = torch.stack([clipped.float().sum(), kl.detach().sum(), torch.tensor(float(len(logps)))])
         return torch.cat([total.unsqueeze(0), stats.to(total.device)])
 

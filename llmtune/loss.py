@@ -556,22 +556,28 @@ class CausalLMWithLoss(torch.nn.Module):
     def forward(
         self,
         input_ids: Tensor,
-        labels: Tensor,
+        labels: Tensor | None = None,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         loss_rows: Tensor | None = None,
+        shift_labels: Tensor | None = None,
         **documents: Any,
     ) -> Tensor:
         """`documents`: a packed batch's cu_seq_lens / max_length (`llmtune.data.batch.with_documents`), passed on
         to the attention function. `loss_rows`: `llmtune.loss.loss_rows(labels)`, as collation made it on the host
-        (None: found here, which on a GPU waits for it)."""
+        (None: found here, which on a GPU waits for it). `shift_labels` in place of `labels`: the targets already
+        shifted (a sequence shard's, `llmtune.sequence.shard_batch`)."""
         if self.impl == "hf":
-            # ForCausalLMLoss divides the summed loss by num_items_in_batch: 1 keeps the sum.
+            # ForCausalLMLoss divides the summed loss by num_items_in_batch: 1 keeps the sum; it takes shifted
+            # targets as `shift_labels` (and computes only where `labels` is given).
+            targets = (
+                {"labels": labels} if shift_labels is None else {"labels": shift_labels, "shift_labels": shift_labels}
+            )
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                labels=labels,
+                **targets,
                 num_items_in_batch=torch.ones((), device=input_ids.device),
                 use_cache=False,
                 **documents,
@@ -582,9 +588,10 @@ class CausalLMWithLoss(torch.nn.Module):
         hidden = decoder(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **documents
         ).last_hidden_state
-        # hidden[t] predicts labels[t + 1]; the last position of each row has no target. Flattening the
-        # unshifted hidden is a view; the padded label is skipped before any matmul.
-        shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        if shift_labels is None:
+            # hidden[t] predicts labels[t + 1]; the last position of each row has no target.
+            shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        # Flattening the unshifted hidden is a view; the padded label is skipped before any matmul.
         hidden = hidden.reshape(-1, hidden.shape[-1])
         return chunked_cross_entropy(
             hidden,

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from llmtune import sequence
 from llmtune.attention import attention_for
 from llmtune.catalogue import MODELS, model_config_dir
 from llmtune.errors import UserError
@@ -234,17 +235,26 @@ def check_attn_implementation(config: PretrainedConfig, attn: str, *, installed:
 
 
 def load_model(
-    recipe: Recipe, precision: str, config: PretrainedConfig, device: torch.device | None = None
+    recipe: Recipe,
+    precision: str,
+    config: PretrainedConfig,
+    device: torch.device | None = None,
+    *,
+    sequence_parallel: int = 1,
 ) -> PreTrainedModel:
     """Load (or randomly initialise, on `device`) the model in the dtype `precision` implies, in training mode's
-    config (no KV cache). Checkpointing, adapters and compilation are `llmtune.parallelize`'s."""
+    config (no KV cache). Checkpointing, adapters and compilation are `llmtune.parallelize`'s. Split along the
+    sequence across `sequence_parallel` processes, its attention is `llmtune.sequence.ULYSSES`."""
     cfg = recipe.model
     check_attn_implementation(config, cfg.attn_implementation)
     # Packed SFT rows: each document's causal block alone, where sdpa would build a dense block mask per row.
     attn = attention_for(
         cfg.attn_implementation, packed=recipe.data.packing, objective=recipe.training.objective, config=config
     )
-    if attn != cfg.attn_implementation:
+    if sequence_parallel > 1:
+        attn = sequence.ULYSSES
+        log.info("attention: %s across %d processes (each document's causal block)", attn, sequence_parallel)
+    elif attn != cfg.attn_implementation:
         log.info(
             "attention: %s, each packed document's causal block alone (eager: a dense mask)",
             attn,

@@ -36,8 +36,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from llmtune import sequence
 from llmtune.data import IGNORE, collate, sequences_of
-from llmtune.data.batch import to_device, with_documents
+from llmtune.data.batch import next_tokens, to_device, with_documents
 from llmtune.loss import (
     ChunkGrads,
     ChunkHead,
@@ -177,8 +178,8 @@ def labelled_logps(
     tokens are the batch's `loss_rows`, found by its collate on the host; without them, found here (on a GPU, a wait
     for it). A packed batch's documents go to the model with its rows (`documents_of`)."""
     inputs = {k: batch.get(k) for k in ("input_ids", "attention_mask", "position_ids")} | documents_of(batch)
-    # hidden[t] predicts token t + 1: targets are shifted left by one.
-    targets = F.pad(batch["labels"], (0, 1), value=IGNORE)[:, 1:].reshape(-1)
+    # hidden[t] predicts token t + 1: targets are shifted left by one (a sequence shard's already are).
+    targets = next_tokens(batch, "labels", IGNORE).reshape(-1)
     rows = batch["loss_rows"] if "loss_rows" in batch else loss_rows(batch["labels"])
     scale, cap = logit_transform(model.config) if impl == "chunked" else (1.0, None)
     if impl == "chunked" and (cap is None or temperature == 1.0):
@@ -215,13 +216,14 @@ def sequence_logps(
 ) -> tuple[Tensor, Tensor]:
     """(summed completion log-probs, completion tokens) per sequence, each [pairs, 2] (chosen, rejected)."""
     logps, rows = labelled_logps(model, impl, chunk_size, batch)
-    segments = F.pad(batch["segment_ids"], (0, 1), value=-1)[:, 1:].reshape(-1)
+    segments = next_tokens(batch, "segment_ids", -1).reshape(-1)
     count = 2 * batch["pair_ids"].shape[0]
     seq = segments[rows]
     sums = torch.zeros(count, dtype=torch.float32, device=logps.device).index_add(0, seq, logps)
     # index_add rather than bincount: an output shape fixed by `count` (bincount's depends on the data).
     tokens = torch.zeros(count, dtype=torch.float32, device=logps.device).index_add(0, seq, torch.ones_like(logps))
-    return sums.view(-1, 2), tokens.view(-1, 2)
+    # Split along the sequence (llmtune.sequence), each process holds part of each sequence's tokens.
+    return sequence.sum_over_group(sums).view(-1, 2), sequence.sum_over_group(tokens).view(-1, 2)
 
 
 # ---------------------------------------------------------------- losses
@@ -348,7 +350,8 @@ class PreferenceModel(torch.nn.Module):
         stats = torch.stack(
             [(chosen * keep).sum(), (rejected * keep).sum(), ((chosen > rejected).float() * keep).sum()]
         )
-        return torch.cat([(loss * keep).sum().unsqueeze(0), stats])
+        # Split along the sequence, every process of the group computed the pairs' whole losses: each keeps its share.
+        return sequence.share_of_group(torch.cat([(loss * keep).sum().unsqueeze(0), stats]))
 
 
 # ---------------------------------------------------------------- precomputed reference
@@ -376,15 +379,18 @@ def compute_reference(model: torch.nn.Module, rows: Any, collate, batch_size: in
     counts = [len(sequences_of(r)) // 2 for r in rows.select_columns(["position_ids"])]
     offsets = np.concatenate([[0], np.cumsum(counts)])
     values = torch.zeros(int(offsets[-1]), 2, device=acc.device)
-    mine = list(range(acc.process_index, len(rows), acc.num_processes))
-    batches = math.ceil(math.ceil(len(rows) / acc.num_processes) / batch_size)
+    # A sequence group's processes compute the same rows, each its part (`collate` shards them), and the group's
+    # first writes them.
+    group = sequence.current()
+    mine = list(range(group.data_rank, len(rows), group.data_world))
+    batches = math.ceil(math.ceil(len(rows) / group.data_world) / batch_size)
     was_training = model.training
     model.eval()
     for start in range(0, batches * batch_size, batch_size):
         index = mine[start : start + batch_size]
         batch = to_device(collate(rows.select(index or [0]).to_list()), acc.device)
         logps = model(**batch, reference_only=True)
-        if index:
+        if index and group.rank == 0:
             at = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in index]).to(acc.device)
             values.index_copy_(0, at, logps.float())
     model.train(was_training)

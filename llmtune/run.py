@@ -16,6 +16,7 @@ from llmtune.objectives import Objective
 from llmtune.parallel import Engine
 from llmtune.recipe import Recipe
 from llmtune.rundir import RunLock
+from llmtune.sequence import SequenceGroup
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Run:
     lineage: list[str] = field(default_factory=list)  # the checkpoints this run descends from (llmtune.checkpoint)
     lock: RunLock = field(default_factory=RunLock)  # the output_dir's, on the main process (llmtune.rundir)
     host_group: Any = None  # the processes' group over host memory (parallel.host_group); None in one process
+    sequence: SequenceGroup = field(default_factory=SequenceGroup)  # this process's (llmtune.sequence)
 
 
 class StepBatches(NamedTuple):

@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from llmtune import checkpoint, parallel, rundir
+from llmtune import checkpoint, parallel, rundir, sequence
 from llmtune.data import DataError, batch_for_step, eval_batches, prepare_data, squared_lengths
 from llmtune.data.batch import to_device
 from llmtune.data.prefetch import Prefetcher, pinned
@@ -97,7 +97,11 @@ def assemble(
         plan = plan_run(recipe, config, precision, accelerator, engine, data.stats.max_trained_fraction)
     # Before the objective's pre-training pass: DPO's reference runs at the plan's micro-batch.
     plan = plan_after_out_of_memory(recipe.output_dir, accelerator, plan)
-    model = load_model(recipe, precision, config, accelerator.device)
+    # Before the model loads (its attention is the group's) and the data is drawn (a group trains the same rows).
+    acc = accelerator
+    group = sequence.mesh_group(acc.device.type, acc.process_index, acc.num_processes, plan.sequence_parallel)
+    sequence.use(group)
+    model = load_model(recipe, precision, config, accelerator.device, sequence_parallel=plan.sequence_parallel)
     parts = parallelize(
         model, recipe, objective, plan, loss_impl=loss_impl, engine=engine, precision=precision, accelerator=accelerator
     )
@@ -132,6 +136,7 @@ def assemble(
         num_layers=int(config.get_text_config().num_hidden_layers),
         lock=lock,
         host_group=parallel.host_group(accelerator, recipe.distributed.timeout),
+        sequence=group,
     )
     if resume_from is not None:
         resume(run, resume_from)
@@ -261,15 +266,15 @@ def prepare_ahead(run: Run, step: int) -> StepBatches | list[dict]:
     """What of optimizer step `step` needs no model, made in the background (`Prefetcher`): this process's share of
     the data step the objective draws, and where the objective trains on these rows as drawn (SFT, preference:
     `FromData`) their batches; GRPO's rows are completions of these prompts by the policy as it is at the step."""
-    r, acc = run.recipe, run.accelerator
+    r = run.recipe
     data_step, drawn = run.objective.draw(step, r.training.global_batch_size)
     examples = batch_for_step(
         run.data.train,
         step=data_step,
         global_batch_size=drawn,
         seed=r.seed,
-        rank=acc.process_index,
-        world_size=acc.num_processes,
+        rank=run.sequence.data_rank,  # a sequence group's processes train the same rows, each its part of them
+        world_size=run.sequence.data_world,
         group_by_length=r.data.group_by_length,
     )
     return step_batches(run, examples) if isinstance(run.objective, FromData) else examples
@@ -299,8 +304,10 @@ def rollout(run: Run, examples: list[dict], step: int) -> list[dict]:
 
 def step_batches(run: Run, rows: list[dict]) -> StepBatches:
     """`rows` split into the plan's micro-batches, collated (pinned where the device copies from there without
-    waiting), with their counts: all host work, no device involved."""
-    m, device = run.plan.micro_batch_size, run.accelerator.device
+    waiting), with their counts: all host work, no device involved. Split along the sequence, this process's part of
+    each micro-batch (`sequence.shard_batch`), and the rows' counts on the group's first process alone: summed over
+    processes, each row counts once."""
+    m, device, group = run.plan.micro_batch_size, run.accelerator.device, run.sequence
     micro_batches = [collate_for(run, rows[i : i + m]) for i in range(0, len(rows), m)]
     counts = [
         sum(trained_tokens(b) for b in micro_batches),
@@ -308,7 +315,9 @@ def step_batches(run: Run, rows: list[dict]) -> StepBatches:
         squared_lengths(rows),
         sum(run.objective.units(b) for b in micro_batches),
     ]
-    return StepBatches(rows, m, [pinned(b, device) for b in micro_batches], counts)
+    counts = counts if group.rank == 0 else [0] * len(counts)
+    parts = [pinned(sequence.shard_batch(b, group), device) for b in micro_batches]
+    return StepBatches(rows, m, parts, counts)
 
 
 def evaluation_due(run: Run, step: int) -> bool:
@@ -363,13 +372,15 @@ def save_or_stop(run: Run, step: int, preemption: Preemption, checkpoint_ok: boo
 
 def collate_for(run: Run, examples: list[dict]) -> dict[str, torch.Tensor]:
     # A compiled model recompiles for every new shape: packed rows are then padded to max_length (a fill
-    # of ~95% costs little), so every micro-batch has the shape the memory plan assumed.
+    # of ~95% costs little), so every micro-batch has the shape the memory plan assumed. Split along the sequence,
+    # rows are padded to a multiple of the group's processes.
     static = run.data.packed and run.recipe.training.compiles(run.accelerator.device.type)
+    multiple = math.lcm(run.recipe.data.max_length if static else 1, run.sequence.degree)
     return run.objective.collate(
         examples,
         pad_token_id=run.tokenizer.pad_token_id,
         packed=run.data.packed,
-        pad_to_multiple_of=run.recipe.data.max_length if static else None,
+        pad_to_multiple_of=multiple if multiple > 1 else None,
     )
 
 
@@ -462,13 +473,15 @@ def evaluate(run: Run) -> float:
     model.eval()
     loss_sum = torch.zeros((), device=acc.device)
     units = torch.zeros((), device=acc.device)
+    group = run.sequence
     batches = eval_batches(
-        run.data.eval, batch_size=run.plan.micro_batch_size, rank=acc.process_index, world_size=acc.num_processes
+        run.data.eval, batch_size=run.plan.micro_batch_size, rank=group.data_rank, world_size=group.data_world
     )
     for examples in batches:
         batch = collate_for(run, examples)
-        units += run.objective.units(batch)
-        loss_sum += model(**to_device(pinned(batch, acc.device), acc.device)).reshape(-1)[0].float()
+        units += run.objective.units(batch) if group.rank == 0 else 0  # each row once (`step_batches`)
+        part = pinned(sequence.shard_batch(batch, group), acc.device)
+        loss_sum += model(**to_device(part, acc.device)).reshape(-1)[0].float()
     model.train()
     return float(acc.reduce(loss_sum, reduction="sum") / acc.reduce(units, reduction="sum").clamp(min=1))
 

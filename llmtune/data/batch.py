@@ -166,6 +166,14 @@ def document_offsets(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, end]).to(torch.int32)
 
 
+def next_tokens(batch: dict[str, Any], key: str, fill: int) -> torch.Tensor:
+    """`batch[key]` at the token each position predicts: shifted left by one, `fill` at each row's end; a sequence
+    shard carries it shifted already, as `shift_<key>` (`llmtune.sequence.shard_batch`)."""
+    if f"shift_{key}" in batch:
+        return batch[f"shift_{key}"]
+    return torch.nn.functional.pad(batch[key], (0, 1), value=fill)[:, 1:]
+
+
 def to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
     """The batch's tensors on `device`, queued behind the work already there (from pinned memory a copy that does not
     wait: `llmtune.data.prefetch.pinned`); its other values (`with_documents`' lengths, Python ints) as they are."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llmtune import grpo
+from llmtune import grpo, sequence
 from llmtune.data import IGNORE
 from llmtune.generate import pad_id, stop_ids, until_stop
 from llmtune.memory import PeakMemoryTracker
@@ -125,7 +125,8 @@ class GRPO(Objective):
         tracker = PeakMemoryTracker(acc.device, baseline=[self.prepared, ctx.optimizer]) if measured else None
         self.prepared.eval()  # no dropout while sampling; transformers keeps its KV cache only outside training mode
         try:
-            with torch.no_grad(), acc.autocast(), tracker or contextlib.nullcontext():
+            model = acc.unwrap_model(self.prepared).model
+            with torch.no_grad(), acc.autocast(), tracker or contextlib.nullcontext(), sequence.generating(model):
                 completions = self.prepared(sample=request)
         finally:
             self.prepared.train()
@@ -141,12 +142,15 @@ class GRPO(Objective):
             [[len(c), len(c) == self.cfg.max_new_tokens and c[-1] not in self.stop] for c in completions]
         )
         everything = acc.gather(torch.cat([scores.float(), lengths.float()], 1).to(acc.device)).cpu()
+        # The processes of a sequence group sampled the same completions: one copy of each.
+        group = sequence.current()
+        everything = everything.view(acc.num_processes, -1, everything.shape[1])[:: group.degree].flatten(0, 1)
         per_function, lengths = everything[:, : len(self.rewards)], everything[:, len(self.rewards) :]
         summed = (per_function * weights).sum(1)
         advantages, group_std = grpo.group_advantages(summed, self.cfg.num_generations, self.cfg.scale_rewards)
         self.report(per_function, summed, group_std, lengths)
         mine = len(completions)
-        return advantages[acc.process_index * mine : (acc.process_index + 1) * mine]
+        return advantages[group.data_rank * mine : (group.data_rank + 1) * mine]
 
     def report(self, per_function: torch.Tensor, summed: torch.Tensor, group_std: torch.Tensor, lengths) -> None:
         """The step's reward metrics (TRL's names), and a warning for a reward that never varies."""

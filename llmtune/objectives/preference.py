@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llmtune import preference
+from llmtune import preference, sequence
 from llmtune.model import SetupError, weights_signature
 from llmtune.objectives.base import FromData, Objective
 from llmtune.recipe import PreferenceConfig
@@ -76,7 +76,12 @@ class Preference(FromData, Objective):
         cache = Path(r.output_dir) / "reference"
 
         def collate_rows(examples: list[dict]) -> dict[str, Any]:
-            return preference.collate_pairs(examples, pad_token_id=context.pad_token_id, packed=data.packed)
+            group = sequence.current()  # split along the sequence, this process's part of each row
+            multiple = group.degree if group.degree > 1 else None
+            batch = preference.collate_pairs(
+                examples, pad_token_id=context.pad_token_id, packed=data.packed, pad_to_multiple_of=multiple
+            )
+            return sequence.shard_batch(batch, group)
 
         def attach_rows(rows: Any) -> Any:
             acc, batch = context.accelerator, context.plan.micro_batch_size
