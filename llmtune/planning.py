@@ -203,9 +203,13 @@ def plan_run(
     from llmtune.parallel import decided_by_main, sharding_of
 
     t, n = recipe.training, acc.num_processes
-    per_process, rest = divmod(t.global_batch_size, n)
+    degree = fixed_degree(recipe, config, n)
+    per_process, rest = divmod(t.global_batch_size, n // degree)
     if rest:
-        raise PlanError(f"training.global_batch_size={t.global_batch_size} is not divisible by the {n} processes")
+        raise PlanError(
+            f"training.global_batch_size={t.global_batch_size} is not divisible by the {n // degree} data-parallel"
+            f" processes ({n} processes, sequence_parallel {degree})"
+        )
     budget = resolve_budget(recipe.memory.budget, acc.device)
     # Free memory can differ between devices; every process must train the same micro-batch (and loss chunk).
     budget = int(acc.gather(torch.tensor([budget], device=acc.device)).min())
@@ -226,6 +230,7 @@ def plan_run(
                 "recipe",
                 checkpointing=fixed,
                 chunk_rows=chunk,
+                sequence_parallel=degree,
             )
 
     def plan() -> BatchPlan:
@@ -246,6 +251,26 @@ def plan_run(
     # The rates are timed on one process's clock and rank the candidates: each process timing its own could choose
     # another plan (a loaded host's clock differs) and wait in collectives the others never join.
     return decided_by_main(acc, plan)
+
+
+def fixed_degree(recipe: Recipe, config: Any, num_processes: int) -> int:
+    """The recipe's `parallel.sequence_parallel` where it fixes one, checked against the processes and the model's
+    heads (1 for auto: the planner's to choose)."""
+    from llmtune.sequence import refusal
+
+    degree = recipe.parallel.sequence_parallel
+    if degree == "auto":
+        return 1
+    if num_processes % degree:
+        raise PlanError(f"parallel.sequence_parallel={degree} does not divide the {num_processes} processes")
+    why = refusal(config, degree)
+    if why is not None:
+        raise PlanError(f"parallel.sequence_parallel={degree}: the model cannot be split so ({why})")
+    if degree > 1 and recipe.training.objective == "grpo" and recipe.grpo.num_iterations > 1:
+        # The old log-probs are kept per token of whole rows, computed before the step: a shard's would need
+        # gathering across the group, which is not built.
+        raise PlanError(f"parallel.sequence_parallel={degree} runs grpo with grpo.num_iterations 1 only")
+    return degree
 
 
 def shrink_plan(plan: BatchPlan, per_process: int, at_most: int | None = None) -> BatchPlan:

@@ -391,7 +391,8 @@ class ParallelConfig:
     )
     tiled_mlp: bool | Literal["auto"] = doc(
         "Compute each decoder MLP in sequence tiles, recomputed in backward, so its [tokens, intermediate]"
-        " activations exist one tile at a time (ALST's tiled MLP). auto: the planner's choice, where long rows need it.",
+        " activations exist one tile at a time (ALST's tiled MLP). auto: the planner's choice, where long rows need"
+        " it.",
         "auto",
     )
 
