@@ -2,7 +2,8 @@
 
 The transformations apply in the only order they may:
 
-1. activation checkpointing (the plan's layers), on the plain transformers model;
+1. activation checkpointing (the plan's layers), on the plain transformers model, then the plan's tiled MLP inside
+   the checkpointed layers (llmtune.tiling);
 2. PEFT adapters, around the checkpointed model (they need its input-grad hook);
 3. `torch.compile` of each decoder block, after both (checkpointing wraps the compiled block);
 4. the objective's module, whose forward returns the loss (llmtune.objectives);
@@ -28,6 +29,7 @@ from llmtune.model import apply_checkpointing, apply_peft, cast_trained, compile
 from llmtune.objectives import Objective
 from llmtune.optim import make_optimizer
 from llmtune.recipe import Checkpointing, Recipe, checkpointing_of
+from llmtune.tiling import tile_mlp
 
 
 class Parallelized(NamedTuple):
@@ -74,13 +76,22 @@ def adapt(
     checkpointing: Checkpointing | None = None,
     *,
     device_type: str | None = None,
+    tiled_mlp: bool | None = None,
 ) -> PreTrainedModel:
     """Steps 1-3 on the plain causal LM: checkpointing (`checkpointing`, by default the recipe's, off for `auto`) ->
-    PEFT -> compile (as `training.compiles` resolves it on `device_type`, by default the device of the model's
-    weights). The benchmarks that measure a model as training runs it take this step alone."""
+    the tiled MLP (`tiled_mlp`, by default the recipe's `parallel.tiled_mlp`, off for `auto`) -> PEFT -> compile (as
+    `training.compiles` resolves it on `device_type`, by default the device of the model's weights). The benchmarks
+    that measure a model as training runs it take this step alone."""
     if checkpointing is None:
         checkpointing = checkpointing_of(recipe.training.gradient_checkpointing) or Checkpointing(0)
     apply_checkpointing(model, checkpointing)
+    if tiled_mlp is None:
+        tiled_mlp = recipe.parallel.tiled_mlp is True  # auto is the planner's to decide: off without a plan
+    if tiled_mlp:
+        # Inside the checkpointed layer (its recomputation runs the tiles again, one at a time), on the plain model
+        # before PEFT: the tiled forward calls the MLP's projections by name, so the adapters PEFT puts there next
+        # run tile by tile too; before compile, which must trace the tiled forward.
+        tile_mlp(model)
     if recipe.peft.method != "none":
         model = apply_peft(model, recipe.peft, gradient_checkpointing=checkpointing.enabled)
         if recipe.peft.adapter_dtype == "bf16":
