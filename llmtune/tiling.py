@@ -20,6 +20,10 @@ recomputation included, before it starts the one before (counted in tests/test_t
 The MLP must be token-wise, each output row a function of the same input row alone: dense MLPs are, and so are
 routed experts whose router decides per token. Results are those of the untiled MLP within float noise: each output
 row is computed alike, but a weight's gradient sums its tiles' partial products in another order than one matmul.
+
+Under `training.compile` the tile count is a Python int read from the row's length: each distinct count traces and
+compiles the block again (8, 10 and 16 tiles took ~20 s each on a CPU), and past torch's recompile limit (8) the
+block runs eagerly. Rows of one length (packed to `max_length`) compile once.
 """
 
 from __future__ import annotations
@@ -54,6 +58,11 @@ class TiledForward:
         # The RNG state is kept per tile (preserve_rng_state, the default) so that adapters' dropout recomputes the
         # same mask; 5 KB on a CPU, the generator's seed and offset on a GPU.
         out = [checkpoint(self.forward, part, use_reentrant=False) for part in flat.tensor_split(tiles)]
+        if not isinstance(out[0], torch.Tensor):  # e.g. an MoE block's (hidden states, router logits)
+            raise SetupError(
+                f"parallel.tiled_mlp: the MLP returns {type(out[0]).__name__}, not one tensor of tokens to join;"
+                " set parallel.tiled_mlp: false"
+            )
         return torch.cat(out).unflatten(0, x.shape[:-1])
 
 

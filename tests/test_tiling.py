@@ -15,6 +15,7 @@ of those bytes across the step: with the decoder layers checkpointed it falls by
 from __future__ import annotations
 
 import collections
+import copy
 
 import pytest
 import torch
@@ -133,6 +134,20 @@ def test_short_rows_run_the_mlp_as_it_is():
     model = tiny_model("llama")
     tile_mlp(model)
     assert step(model, seq=64)[2] == [(1, 0)] * 2  # 64 tokens at hidden 64: one tile, no checkpoint
+
+
+def test_a_copy_tiles_its_own_mlp():
+    """A DPO reference is a deepcopy of the policy (objectives.base.frozen_copy): its tiled forward must call its
+    own projections, not the policy's, which go on training."""
+    model = tiny_model("llama")
+    tile_mlp(model)
+    loss = step(model)[0]
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        for block in decoder_blocks(model):
+            block.mlp.down_proj.weight.zero_()
+    assert torch.equal(step(copied)[0], loss)
+    assert not torch.equal(step(model)[0], loss)
 
 
 class IntermediateCounter(LiveStorageCounter):
