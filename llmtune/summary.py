@@ -27,7 +27,8 @@ def log_setup(run: Run, trainable: int, total: int) -> None:
         f"precision      {run.precision} ({run.precision_why})",
         f"checkpointing  {p.checkpointing.describe(run.num_layers)} ({'planned' if p.frontier else 'the recipe'})",
         f"batch          global {r.training.global_batch_size} = micro {p.micro_batch_size} x accumulation "
-        f"{p.grad_accum_steps} x processes {p.num_processes} (micro-batch from {p.source})",
+        f"{p.grad_accum_steps} x processes {p.num_processes // p.sequence_parallel} (micro-batch from {p.source})",
+        *[f"sequence       each row split across {p.sequence_parallel} processes"] * (p.sequence_parallel > 1),
         f"memory         {p.describe()}",
         f"MFU peak       {run.peak_flops / 1e12:.1f} TFLOP/s ({run.peak_flops_source})",
         f"data           {run.data.stats.examples} examples -> {len(run.data.train)} rows, "
@@ -47,7 +48,8 @@ def check_speed(run: Run, seconds: float) -> dict[str, Any] | None:
     predicted = run.plan.predicted_tokens_per_s
     if predicted is None:
         return None
-    tokens = run.recipe.training.global_batch_size // run.plan.num_processes * run.recipe.data.max_length
+    # A process's tokens: its rows, or under sequence parallelism its part of its group's rows.
+    tokens = run.recipe.training.global_batch_size * run.recipe.data.max_length // run.plan.num_processes
     measured = tokens / seconds
     speed = {
         "predicted_tokens_per_s": round(predicted, 1),
@@ -86,6 +88,7 @@ def run_summary(
         "micro_batch_size": run.plan.micro_batch_size,
         "grad_accum_steps": run.plan.grad_accum_steps,
         "num_processes": run.plan.num_processes,
+        "sequence_parallel": run.plan.sequence_parallel,
         "engine": run.engine,
         "optimizer_updates": parallel.optimizer_updates(run.optimizer),
         # This (the main) process's parameter bytes: its shards under FSDP2 and ZeRO-3.
