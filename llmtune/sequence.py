@@ -107,13 +107,11 @@ def refusal(config: PretrainedConfig, degree: int) -> str | None:
     why = varlen_refusal(config)
     if why is not None:
         return f"its attention cannot run as {ULYSSES}: {why}"
-    text = config.get_text_config()
-    heads = text.num_attention_heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
+    heads = config.get_text_config().num_attention_heads
     if heads % degree:
+        # (KV heads then repeat to a multiple of the degree: kv and the degree both divide heads, so lcm(kv, degree)
+        # does too, and each process's query heads read only its own KV heads.)
         return f"its {heads} attention heads do not divide by {degree} processes"
-    if heads % math.lcm(kv, degree):
-        return f"its {kv} KV heads cannot be repeated to a multiple of {degree} that divides its {heads} query heads"
     return None
 
 
