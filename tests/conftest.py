@@ -12,7 +12,8 @@ import pytest
 
 # Long one-process modules that `make test` runs in its second lane, with the real-model tests (`-m "real or
 # beside"`): the first lane holds the multi-process launches, which want both cores once the floor suite (CI) is done;
-# alone it ran ~15 min while the second lane ended after ~6 (CI, 2 cores).
+# alone it ran ~15 min while the second lane ended after ~6 (CI, 2 cores). The sequence-parallel launch (~50 s) took
+# test_resilience and test_out_of_memory (~95 s of one-process runs) to the second lane.
 BESIDE = {
     "tests/test_gpu_check.py",
     "tests/test_bench.py",
@@ -20,6 +21,8 @@ BESIDE = {
     "tests/test_memory.py",
     "tests/test_engines.py",
     "tests/test_estimate.py",
+    "tests/test_resilience.py",
+    "tests/test_out_of_memory.py",
 }
 
 
