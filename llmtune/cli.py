@@ -62,6 +62,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _degree(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive_int(text)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from llmtune.recipe import load_recipe
     from llmtune.train import train
@@ -101,10 +105,11 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from llmtune.model import resolve_config
-    from llmtune.planning import format_engines, plan_recipe
+    from llmtune.planning import format_engines, format_how, how, plan_recipe
     from llmtune.units import parse_bytes
 
     recipe, target = _estimate_target(args)
+    recipe = _with_split(recipe, args)
     model = recipe.model
     config = resolve_config(args.config or model.name_or_path, revision=model.revision)
     fraction, data = _plan_data(recipe, args) if args.recipe else (1.0, None)
@@ -124,15 +129,29 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         from llmtune.plot import plot_estimate
 
         plot_estimate(plan, f"{model.name_or_path}: memory against speed", args.plot)
+    answer = how(plan, engines[0].engine if engines else None)
     if args.json:
         facts = {"device": target.device, "budget_from": target.why} | ({"data": data} if data else {})
         ranked = {"engines": [c.to_dict() for c in engines]} if engines else {}
-        print(json.dumps(plan.to_dict() | facts | ranked))
+        print(json.dumps(plan.to_dict() | facts | ranked | {"how": answer}))
     else:
         _print_estimate(plan, target, model.name_or_path, data, args.plot)
         if engines:
             print("\n".join(format_engines(engines)))
+        print("\n" + format_how(answer, target.budget_bytes))
     return 0
+
+
+def _with_split(recipe: Any, args: argparse.Namespace) -> Any:
+    """The recipe with --sequence-parallel and --tiled-mlp in place of its `parallel` keys, where given."""
+    from dataclasses import replace
+
+    changes = {}
+    if args.sequence_parallel is not None:
+        changes["sequence_parallel"] = args.sequence_parallel
+    if args.tiled_mlp is not None:
+        changes["tiled_mlp"] = {"on": True, "off": False}.get(args.tiled_mlp, args.tiled_mlp)
+    return replace(recipe, parallel=replace(recipe.parallel, **changes)) if changes else recipe
 
 
 def _ranked_engines(recipe: Any, config: Any, args: argparse.Namespace, kwargs: dict[str, Any]) -> list[Any]:
@@ -387,6 +406,17 @@ def _estimate_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="the engine's sharding (none: DDP; fsdp: FSDP2; fsdp_no_reshard: FSDP2 keeping blocks gathered to"
         " backward; zero2/zero3: DeepSpeed); auto: with several processes, plan each and take the fastest that fits",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        type=_degree,
+        help="processes each row is split across (Ulysses), as the recipe key parallel.sequence_parallel: auto (the"
+        " planner weighs every degree that divides --num-processes and the model's heads) or N",
+    )
+    p.add_argument(
+        "--tiled-mlp",
+        choices=["auto", "on", "off"],
+        help="the decoder MLPs in sequence tiles, as parallel.tiled_mlp (auto: where nothing fits without)",
     )
     p.add_argument(
         "--host-memory",

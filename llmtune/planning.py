@@ -26,6 +26,8 @@ from llmtune.memory import (
     plan_rates,
     planned_precision,
     resolve_budget,
+    sequence_degrees,
+    unsplittable,
 )
 from llmtune.model import SetupError
 from llmtune.recipe import Recipe, checkpointing_of
@@ -119,6 +121,8 @@ class EngineChoice:
             "engine": self.engine,
             "sharding": self.sharding,
             "fits": p is not None and p.fits,
+            "sequence_parallel": p.sequence_parallel if p else None,
+            "tiled_mlp": p.tiled_mlp if p else None,
             "micro_batch_size": p.micro_batch_size if p else None,
             "checkpointing": p.checkpointing.describe(p.estimate.settings["layers"]) if p and p.estimate else None,
             "predicted_peak_bytes": p.predicted_peak_bytes if p else None,
@@ -155,16 +159,63 @@ def _engine_order(c: EngineChoice) -> tuple[bool, float]:
 
 def format_engines(choices: list[EngineChoice]) -> list[str]:
     """The engines as `llmtune estimate` shows them: fastest first, the chosen marked, why the others were not."""
-    rows = [("engine", "micro", "checkpointing", "peak", "tokens/s", "")]
+    rows = [("engine", "sequence", "MLP", "micro", "checkpointing", "peak", "tokens/s", "")]
     for i, c in enumerate(choices):
         d = c.to_dict()
         peak = format_bytes(d["predicted_peak_bytes"]) if d["predicted_peak_bytes"] else "-"
         speed = f"{d['predicted_tokens_per_s']:,.0f}" if d["fits"] and d["predicted_tokens_per_s"] else "-"
         why = "<- chosen" if i == 0 else c.why.split(". ")[0]
-        rows.append((c.engine, str(d["micro_batch_size"] or "-"), d["checkpointing"] or "-", peak, speed, why))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = ["", "engines (tokens/s a process; communication over the cards' link):"]
-    return lines + ["  " + "  ".join(f"{v:<{w}}" for v, w in zip(r, widths, strict=False)) + "  " + r[5] for r in rows]
+        tiled = {True: "tiled", False: "whole", None: "-"}[d["tiled_mlp"]]
+        split = str(d["sequence_parallel"] or "-")
+        rows.append(
+            (c.engine, split, tiled, str(d["micro_batch_size"] or "-"), d["checkpointing"] or "-", peak, speed, why)
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(7)]
+    lines = [
+        "",
+        "engines (tokens/s a process; communication over the cards' link; sequence: processes a row is split across):",
+    ]
+    return lines + ["  " + "  ".join(f"{v:<{w}}" for v, w in zip(r, widths, strict=False)) + "  " + r[7] for r in rows]
+
+
+def how(plan: BatchPlan, engine: str | None) -> dict[str, Any]:
+    """How the run is planned to go, in one place (`llmtune estimate`'s answer): the engine (None: the one given),
+    the sequence-parallel degree, the MLP's tiling, checkpointing, the batch split, the predicted peak and step time."""
+    s = plan.estimate.settings
+    tokens = plan.micro_batch_size * plan.grad_accum_steps * s["seq_len"] / plan.sequence_parallel
+    speed = plan.predicted_tokens_per_s
+    return {
+        "engine": engine or s["sharding"],
+        "num_processes": plan.num_processes,
+        "sequence_parallel": plan.sequence_parallel,
+        "tokens_per_process": -(-s["seq_len"] // plan.sequence_parallel),
+        "tiled_mlp": plan.tiled_mlp,
+        "checkpointing": plan.checkpointing.describe(s["layers"]),
+        "micro_batch_size": plan.micro_batch_size,
+        "grad_accum_steps": plan.grad_accum_steps,
+        "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "fits": plan.fits,
+        "predicted_step_seconds": round(tokens / speed, 3) if speed else None,
+        "predicted_tokens_per_s": round(speed, 1) if speed else None,
+    }
+
+
+def format_how(h: dict[str, Any], budget_bytes: int) -> str:
+    """`how` in one line."""
+    split = (
+        f"each row split across {h['sequence_parallel']} processes ({h['tokens_per_process']:,} tokens a process)"
+        if h["sequence_parallel"] > 1
+        else "whole rows on each process"
+    )
+    step = f", a step {h['predicted_step_seconds']:,.1f} s" if h["predicted_step_seconds"] else ""
+    speed = f" ({h['predicted_tokens_per_s']:,.0f} tokens/s a process)" if h["predicted_tokens_per_s"] else ""
+    return (
+        f"how: {h['engine']} on {h['num_processes']} process(es), {split},"
+        f" MLP {'in sequence tiles' if h['tiled_mlp'] else 'whole'}, checkpointing {h['checkpointing']},"
+        f" micro-batch {h['micro_batch_size']} x {h['grad_accum_steps']} accumulated; predicted peak"
+        f" {format_bytes(h['predicted_peak_bytes'])} of {format_bytes(budget_bytes)}"
+        f"{'' if h['fits'] else ' (DOES NOT FIT)'}{step}{speed}"
+    )
 
 
 def engine_note(choices: list[EngineChoice], launched: str) -> str | None:
@@ -254,22 +305,15 @@ def plan_run(
 
 
 def fixed_degree(recipe: Recipe, config: Any, num_processes: int) -> int:
-    """The recipe's `parallel.sequence_parallel` where it fixes one, checked against the processes and the model's
-    heads (1 for auto: the planner's to choose)."""
-    from llmtune.sequence import refusal
-
+    """The recipe's `parallel.sequence_parallel` where it fixes one, checked against the processes, the model's
+    heads (`sequence_degrees`) and the objective (`unsplittable`); 1 for auto: the planner's to choose."""
     degree = recipe.parallel.sequence_parallel
     if degree == "auto":
         return 1
-    if num_processes % degree:
-        raise PlanError(f"parallel.sequence_parallel={degree} does not divide the {num_processes} processes")
-    why = refusal(config, degree)
-    if why is not None:
-        raise PlanError(f"parallel.sequence_parallel={degree}: the model cannot be split so ({why})")
-    if degree > 1 and recipe.training.objective == "grpo" and recipe.grpo.num_iterations > 1:
-        # The old log-probs are kept per token of whole rows, computed before the step: a shard's would need
-        # gathering across the group, which is not built.
-        raise PlanError(f"parallel.sequence_parallel={degree} runs grpo with grpo.num_iterations 1 only")
+    sequence_degrees(config, num_processes, degree)
+    why = unsplittable(recipe)
+    if degree > 1 and why is not None:
+        raise PlanError(f"parallel.sequence_parallel={degree}: {why}")
     return degree
 
 

@@ -35,6 +35,7 @@ from llmtune.catalogue import (
     datasheet_peak_flops,
     datasheet_peer_link,
 )
+from llmtune.communication import LINK_EFFICIENCY
 
 # Fractions of the datasheet a training step reaches on a GPU: large bf16 matmuls run at 60-75% of the dense
 # peak, streaming element-wise kernels at ~80% of HBM bandwidth; a kernel launch from eager PyTorch costs
@@ -173,6 +174,23 @@ class Rates:
         compute = max(device, host) if self.overlapped else device + host
         # Offloading's copies run on the compute stream (transformers' save_on_cpu): they add to the step.
         return compute + work.host_bytes / self.host_bytes_per_s
+
+
+# Where the link between a run's processes is not known -- a CPU's processes, which talk over gloo (loopback TCP or
+# shared memory), or a card the catalogue lacks -- sequence parallelism's all-to-alls are charged at a nominal 2 GB/s
+# a direction: a constant, not measured, that ranks degrees against one another (more all-to-alls, slower) but
+# forecasts no time. The data-parallel engines' collectives are charged only over a known link
+# (`llmtune.communication.step_seconds`): they overlap compute, where the all-to-alls stand in its way.
+UNKNOWN_LINK_BYTES_PER_S = 2e9
+
+
+def alltoall_seconds(nbytes: float, rates: Rates) -> float:
+    """Seconds a process spends in all-to-alls that send `nbytes` of its to the others (`llmtune.sequence`'s:
+    attention waits for its inputs, so nothing hides them): at the bus bandwidth NCCL reaches on the link between the
+    node's GPUs (`LINK_EFFICIENCY` of its datasheet rate a direction; an all-to-all's pieces leave each process over
+    its own link), or at `UNKNOWN_LINK_BYTES_PER_S`."""
+    link = rates.link_bytes_per_s
+    return nbytes / (LINK_EFFICIENCY * link if link else UNKNOWN_LINK_BYTES_PER_S)
 
 
 def compiled(rates: Rates) -> Rates:

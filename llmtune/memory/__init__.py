@@ -27,12 +27,13 @@ from llmtune.memory.from_recipe import (
     planned_precision,
     recipe_for_model,
     training_rows,
+    unsplittable,
 )
 from llmtune.memory.generation import GenerationEstimate, generation_peak
 from llmtune.memory.measure import PeakMemoryTracker
-from llmtune.memory.plan import BatchPlan, MemoryPlanError
+from llmtune.memory.plan import BatchPlan, MemoryPlanError, SequenceParallelError
 from llmtune.memory.report import format_frontier, format_plan
-from llmtune.memory.search import checkpointing_choices, plan_micro_batch
+from llmtune.memory.search import checkpointing_choices, plan_micro_batch, sequence_degrees
 from llmtune.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "MemoryEstimate",
     "MemoryPlanError",
     "PeakMemoryTracker",
+    "SequenceParallelError",
     "checkpointing_choices",
     "default_budget",
     "estimate",
@@ -62,5 +64,7 @@ __all__ = [
     "planning_target",
     "recipe_for_model",
     "resolve_budget",
+    "sequence_degrees",
     "training_rows",
+    "unsplittable",
 ]

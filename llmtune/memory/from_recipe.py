@@ -174,9 +174,10 @@ def plan_for_budget(
     rates: Rates | None = None,
     host_bytes: int | None = None,
 ) -> BatchPlan:
-    """The fastest micro-batch and checkpointing for the recipe's global batch and rows (`training_rows`) within
-    `budget_bytes`, as far as the recipe leaves them open; a fixed `training.micro_batch_size` is planned as given
-    (whether it fits or not: `BatchPlan.fits`). grpo: then the rows of each generate call (`with_generation`)."""
+    """The fastest micro-batch, checkpointing, sequence-parallel degree and MLP tiling for the recipe's global batch
+    and rows (`training_rows`) within `budget_bytes`, as far as the recipe leaves them open; a fixed
+    `training.micro_batch_size` is planned as given (whether it fits or not: `BatchPlan.fits`). grpo: then the rows
+    of each generate call (`with_generation`)."""
     t = recipe.training
     plan = plan_micro_batch(
         config,
@@ -187,9 +188,20 @@ def plan_for_budget(
         micro_batch_size=None if t.micro_batch_size == "auto" else t.micro_batch_size,
         rates=rates,
         host_bytes=host_bytes,
+        sequence_parallel=recipe.parallel.sequence_parallel if unsplittable(recipe) is None else 1,
+        tiled_mlp=recipe.parallel.tiled_mlp,
         **settings,
     )
     return with_generation(plan, recipe, config, budget_bytes) if t.objective == "grpo" else plan
+
+
+def unsplittable(recipe: Recipe) -> str | None:
+    """Why the recipe's rows cannot be split along the sequence whatever the model (None: they can)."""
+    if recipe.training.objective == "grpo" and recipe.grpo.num_iterations > 1:
+        # The old log-probs are kept per token of whole rows, computed before the step: a shard's would need
+        # gathering across the group, which is not built.
+        return "it runs grpo with grpo.num_iterations 1 only"
+    return None
 
 
 def with_generation(plan: BatchPlan, recipe: Recipe, config: Any, budget_bytes: int | None) -> BatchPlan:

@@ -16,6 +16,10 @@ class MemoryPlanError(UserError, ValueError):
     """Even micro-batch 1 does not fit the memory budget."""
 
 
+class SequenceParallelError(UserError, ValueError):
+    """A sequence-parallel degree the launch's processes or the model cannot be split into."""
+
+
 @dataclass
 class BatchPlan:
     """How the global batch is split (global = micro x accumulation x processes) and what that costs in memory.
@@ -44,6 +48,8 @@ class BatchPlan:
     # num_processes // sequence_parallel, and global = micro x accumulation x those.
     sequence_parallel: int = 1
     tiled_mlp: bool = False  # each decoder MLP runs in sequence tiles (llmtune.tiling)
+    # What the planner weighed at each sequence-parallel degree and tiling (`llmtune.memory.search._summary`).
+    degrees: list[dict[str, Any]] = field(default_factory=list)
     estimate: MemoryEstimate | None = field(default=None, repr=False, compare=False)
     # grpo: the predicted peak of a generate call of `generation_rows` rows (llmtune.memory.generation)
     generation: GenerationEstimate | None = field(default=None, repr=False, compare=False)

@@ -23,7 +23,7 @@ def format_plan(plan: BatchPlan, title: str) -> str:
         f"{'peak':<{width}}{format_bytes(e.peak_bytes):>12}  during {e.peak_phase}",
         "",
         f"micro-batch {plan.micro_batch_size} x {s['seq_len']} tokens, gradient accumulation {plan.grad_accum_steps},"
-        f" {s['num_processes']} process(es), sharding {s['sharding']}",
+        f" {s['num_processes']} process(es), sharding {s['sharding']}" + _split(plan),
         f"{s['precision']}, checkpointing {plan.checkpointing.describe(e.settings['layers'])},"
         f" {s['attn_implementation']} attention, {s['optimizer']}, {s['loss']} loss"
         + _objective(s)
@@ -48,7 +48,44 @@ def format_plan(plan: BatchPlan, title: str) -> str:
         lines += ["", *format_generation(plan)]
     if len(plan.frontier) > 1:
         lines += ["", *format_frontier(plan)]
+    if len(plan.degrees) > 1:
+        lines += ["", *format_degrees(plan)]
     return "\n".join(lines)
+
+
+def _split(plan: BatchPlan) -> str:
+    """How a row's work is split, where it is: across a sequence group, and the MLPs in tiles."""
+    s = plan.estimate.settings
+    parts = []
+    if plan.sequence_parallel > 1:
+        shard = -(-s["seq_len"] // plan.sequence_parallel)
+        parts.append(f"sequence parallel {plan.sequence_parallel} (Ulysses: {shard:,} tokens of each row a process)")
+    if plan.tiled_mlp:
+        parts.append("MLPs in sequence tiles")
+    return "".join(f", {p}" for p in parts)
+
+
+def format_degrees(plan: BatchPlan) -> list[str]:
+    """Each sequence-parallel degree and tiling the planner weighed: its choice (or its fastest candidate and why
+    it lost), the choice marked."""
+    rows = [("degree", "tokens a process", "MLP", "micro", "checkpointing", "peak", "tokens/s", "")]
+    for d in plan.degrees:
+        peak, speed = d["predicted_peak_bytes"], d["predicted_tokens_per_s"]
+        rows.append(
+            (
+                str(d["sequence_parallel"]),
+                f"{d['tokens_per_process']:,}",
+                "tiled" if d["tiled_mlp"] else "whole",
+                str(d["micro_batch_size"] or "-"),
+                d["checkpointing"] or "-",
+                format_bytes(peak) if peak is not None else "-",
+                f"{speed:,.0f}" if speed is not None else "-",
+                "<- chosen" if d["chosen"] else d["why"],
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(7)]
+    lines = ["sequence parallelism weighed (tokens/s a process, its all-to-alls over the cards' link):"]
+    return lines + ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=False)) + "  " + r[7] for r in rows]
 
 
 def _objective(s: dict[str, Any]) -> str:

@@ -10,9 +10,10 @@ from typing import Any
 
 from llmtune.communication import Traffic, engine_traffic, step_seconds
 from llmtune.memory.estimate import MemoryEstimate, estimate_all
-from llmtune.memory.plan import BatchPlan, MemoryPlanError
+from llmtune.memory.plan import BatchPlan, MemoryPlanError, SequenceParallelError
+from llmtune.model import SetupError
 from llmtune.recipe import Checkpointing, checkpointed_layers, checkpointing_of
-from llmtune.timing import NOMINAL_RATES, Rates
+from llmtune.timing import NOMINAL_RATES, Rates, alltoall_seconds
 from llmtune.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -36,9 +37,13 @@ class Candidate:
     peak_bytes: int | None = None
     fits: bool | None = None
     pinned_host_bytes: int | None = None  # offloaded: the host memory its copies pin (llmtune.memory.offload)
+    sequence_parallel: int = 1
+    tiled_mlp: bool = False
 
     def to_dict(self, num_layers: int) -> dict[str, Any]:
         return {
+            "sequence_parallel": self.sequence_parallel,
+            "tiled_mlp": self.tiled_mlp,
             "micro_batch_size": self.micro_batch_size,
             "checkpointing": self.checkpointing.describe(num_layers),
             "every_n_layers": self.checkpointing.every_n_layers,
@@ -75,21 +80,32 @@ def plan_micro_batch(
     micro_batch_size: int | None = None,
     rates: Rates | None = None,
     host_bytes: int | None = None,
+    sequence_parallel: int | str = 1,
+    tiled_mlp: bool | str = False,
     **estimate_kwargs: Any,
 ) -> BatchPlan:
-    """The fastest predicted micro-batch and checkpointing that fit `budget_bytes` and divide the global batch.
+    """The fastest predicted micro-batch and checkpointing that fit `budget_bytes` and divide the global batch, and
+    with them the sequence-parallel degree and the MLP's tiling.
 
     `gradient_checkpointing` (in `estimate_kwargs`): a `Checkpointing` or bool fixes it; "auto" weighs
     `checkpointing_choices`. `micro_batch_size` fixes the micro-batch. `rates` (llmtune.timing) turn the traced
     work into seconds; without them every candidate is ranked by its work at nominal rates. `host_bytes`: the host
     memory this process may pin; an offloaded candidate that would pin more does not fit (None: not known).
+    `sequence_parallel`: N splits every row across groups of N of the `num_processes` (`llmtune.sequence`; the
+    data-parallel processes are num_processes / N, global = micro x accumulation x those); "auto" weighs every
+    degree that divides the processes and the model's heads (`sequence_degrees`). `tiled_mlp`: True computes the
+    MLPs in sequence tiles (`llmtune.tiling`); "auto" weighs it where no degree fits whole MLPs: it costs
+    recomputation.
 
-    How: the time of every candidate comes from one estimate per uniform setting (none, every layer, selective,
-    offloaded) at the smallest micro-batch -- work is affine in the micro-batch and in the number of recomputed
-    layers (llmtune.timing). Then, fastest first, each candidate's peak is estimated (traces are cached, so every-k
-    settings reuse the none / every-layer traces) until one fits; a candidate whose setting uses no less memory
-    than one that did not fit at no larger a micro-batch is skipped unestimated. Offloading (on CUDA) is timed
-    from every layer's trace and traced only for its memory, if the search reaches it.
+    How, at each degree (ascending) and tiling: the time of every candidate comes from one estimate per uniform
+    setting (none, every layer, selective, offloaded) at the smallest micro-batch -- work is affine in the
+    micro-batch and in the number of recomputed layers (llmtune.timing) -- plus the all-to-alls it sends over the
+    link. Then, fastest first, each candidate's peak is estimated (traces are cached, so every-k settings reuse the
+    none / every-layer traces) until one fits; a candidate whose setting uses no less memory than one that did not
+    fit at no larger a micro-batch is skipped unestimated. Offloading (on CUDA) is timed from every layer's trace and
+    traced only for its memory, if the search reaches it. A degree whose fastest candidate is no faster than the
+    choice so far is not weighed further, and once a degree's choice is its fastest candidate (nothing traded for
+    memory), larger degrees are not tried: they only add all-to-alls to the same work.
     """
     layers = int(getattr(config, "get_text_config", lambda: config)().num_hidden_layers)
     requested = estimate_kwargs.pop("gradient_checkpointing", "auto")
@@ -97,29 +113,154 @@ def plan_micro_batch(
     # Offloading copies to host memory: on a CPU that is the memory it already uses.
     offload = estimate_kwargs.get("device", "cuda") == "cuda"
     modes = checkpointing_choices(layers, offload) if fixed is None else [fixed]
-    sizes = [micro_batch_size] if micro_batch_size else _candidates(global_batch_size, num_processes)
+    degrees = sequence_degrees(config, num_processes, sequence_parallel)
+    tilings = [False, True] if tiled_mlp == "auto" else [bool(tiled_mlp)]
     rates = rates or NOMINAL_RATES
     log.info(
-        "planning: %d checkpointing setting(s) x micro-batches %s x %d tokens against %s",
+        "planning: %d checkpointing setting(s) x sequence-parallel degree(s) %s x %d tokens against %s",
         len(modes),
-        "/".join(map(str, sizes)),
+        "/".join(map(str, degrees)),
         seq_len,
         format_bytes(budget_bytes),
     )
-    per_process = global_batch_size // num_processes
-    search = _Search(config, layers, seq_len, num_processes, per_process, sizes[0], rates, estimate_kwargs, host_bytes)
-    # Offloading weighed by `auto` is traced only when the search reaches it (its memory): its work is every
-    # layer's plus the copies of what every layer's checkpoints save (`Work.offloadable`), both ways.
-    search.time_uniform(modes, lazy={mode for mode in modes if mode.offload} if fixed is None else set())
+    weighed: list[_Weighed] = []
+    # Tiled MLPs (auto) only where no degree fits whole ones: their recomputation costs more than a degree's
+    # all-to-alls (a third of the MLP's FLOPs against a fraction of a percent of the step at 128k tokens).
+    for tiled in tilings:
+        for degree in degrees:
+            sizes = _sizes(global_batch_size, num_processes // degree, micro_batch_size)
+            if not sizes:  # a fixed micro-batch that does not divide this degree's rows a process
+                continue
+            rows = global_batch_size // (num_processes // degree)  # a process trains a part of its group's rows
+            search = _Search(
+                config,
+                layers,
+                seq_len,
+                num_processes,
+                rows,
+                sizes[0],
+                rates,
+                estimate_kwargs,
+                host_bytes,
+                degree,
+                tiled,
+            )
+            try:
+                weighed.append(_weigh(search, modes, sizes, budget_bytes, fixed is None, _fastest(weighed)))
+            except SetupError as err:  # a model whose MLP cannot be tiled (llmtune.tiling), weighed by auto
+                if tiled_mlp != "auto":
+                    raise
+                weighed.append(_Weighed(search, [], [], None, str(err)))
+                break
+            best = _fastest(weighed)
+            if best is not None and _key(best.chosen) == _key(best.candidates[0]):
+                break  # nothing was traded for memory: larger degrees only add all-to-alls to the same work
+        if _fastest(weighed) is not None:
+            break
+    return _plan_of(weighed, modes, budget_bytes, micro_batch_size is not None)
+
+
+@dataclass
+class _Weighed:
+    """One degree and tiling's search: its candidates, fastest first, those weighed against the budget (with their
+    peaks), and the first that fits (None: none did, or `why` it was not weighed)."""
+
+    search: _Search
+    candidates: list[Candidate]
+    weighed: list[Candidate]
+    chosen: Candidate | None
+    why: str = ""
+
+
+def _weigh(
+    search: _Search,
+    modes: list[Checkpointing],
+    sizes: list[int],
+    budget_bytes: int,
+    auto: bool,
+    best: _Weighed | None,
+) -> _Weighed:
+    """`search`'s candidates timed and, unless its fastest is no faster than the choice so far (`best`), weighed
+    against the budget. Offloading weighed by `auto` is traced only when the search reaches it (its memory): its work
+    is every layer's plus the copies of what every layer's checkpoints save (`Work.offloadable`), both ways."""
+    search.time_uniform(modes, lazy={mode for mode in modes if mode.offload} if auto else set())
     candidates = sorted((search.timed(mode, m) for mode in modes for m in sizes), key=_search_order)
+    if best is not None and _search_order(candidates[0]) >= _search_order(best.chosen):
+        return _Weighed(search, candidates, [], None, "no faster than the choice")
     chosen, weighed = _first_fit(search, candidates, modes, budget_bytes)
+    return _Weighed(search, candidates, weighed, chosen)
+
+
+def _key(c: Candidate) -> tuple[int, Checkpointing]:
+    return c.micro_batch_size, c.checkpointing
+
+
+def _fastest(weighed: list[_Weighed]) -> _Weighed | None:
+    """The search whose choice is the fastest, or None where nothing fits."""
+    fitting = [w for w in weighed if w.chosen is not None]
+    return min(fitting, key=lambda w: _search_order(w.chosen), default=None)
+
+
+def _plan_of(weighed: list[_Weighed], modes: list[Checkpointing], budget_bytes: int, fixed_micro: bool) -> BatchPlan:
+    """The plan of the fastest choice; a fixed micro-batch that fits nowhere as given, with the least memory at the
+    largest degree weighed; else why nothing fits (`_does_not_fit`)."""
     least = next((m for m in reversed(modes) if m.enabled and not m.selective), modes[0])  # the least memory
-    if chosen is None and micro_batch_size:
-        chosen = _as_given(search, least)
-    if chosen is None:
-        raise _does_not_fit(search, least, budget_bytes)
-    source = "planner" if not micro_batch_size else "recipe"
-    return search.plan(chosen, budget_bytes, source, _with_estimates(candidates, weighed))
+    best = _fastest(weighed)
+    if best is None and not weighed:
+        raise MemoryPlanError("no sequence-parallel degree divides the micro-batch the recipe fixes")
+    last = weighed[-1]
+    if best is None and fixed_micro:
+        best = replace(last, chosen=_as_given(last.search, least))
+    if best is None:
+        raise _does_not_fit(last.search, least, budget_bytes)
+    source = "recipe" if fixed_micro else "planner"
+    frontier = _with_estimates(best.candidates, best.weighed)
+    degrees = [_summary(w, budget_bytes, w is best) for w in weighed]
+    return best.search.plan(best.chosen, budget_bytes, source, frontier, degrees)
+
+
+def _summary(w: _Weighed, budget_bytes: int, chosen: bool) -> dict[str, Any]:
+    """What `llmtune estimate` shows of one degree and tiling: its choice, or its fastest candidate and why it lost
+    (none where it could not be weighed)."""
+    c = w.chosen or (w.weighed[-1] if w.weighed else next(iter(w.candidates), None))
+    return {
+        "sequence_parallel": w.search.degree,
+        "tiled_mlp": w.search.tiled,
+        "tokens_per_process": w.search.shard,
+        "micro_batch_size": c and c.micro_batch_size,
+        "checkpointing": c and c.checkpointing.describe(w.search.layers),
+        "predicted_peak_bytes": c and c.peak_bytes,
+        "predicted_tokens_per_s": c and round(c.tokens_per_s, 1),
+        "fits": w.chosen is not None,
+        "chosen": chosen,
+        "why": w.why or _lost(w, chosen, budget_bytes),
+    }
+
+
+def _lost(w: _Weighed, chosen: bool, budget_bytes: int) -> str:
+    if chosen:
+        return ""
+    return "fits, slower than the choice" if w.chosen else f"over the budget of {format_bytes(budget_bytes)}"
+
+
+def sequence_degrees(config: Any, num_processes: int, requested: int | str) -> list[int]:
+    """The sequence-parallel degrees to weigh, ascending: `requested` alone, or for "auto" every divisor of the
+    processes that the model can be split across (`llmtune.sequence.refusal`). A fixed degree that does not divide
+    the processes, or that the model cannot take, is refused in one line."""
+    from llmtune.sequence import refusal
+
+    if requested != "auto":
+        degree = int(requested)
+        if num_processes % degree:
+            raise SequenceParallelError(
+                f"parallel.sequence_parallel={degree} does not divide the {num_processes} process(es): a row is split"
+                " across a group of that many processes"
+            )
+        why = refusal(config, degree)
+        if why is not None:
+            raise SequenceParallelError(f"parallel.sequence_parallel={degree}: {why}")
+        return [degree]
+    return [d for d in range(1, num_processes + 1) if num_processes % d == 0 and refusal(config, d) is None]
 
 
 @dataclass
@@ -136,11 +277,21 @@ class _Search:
     rates: Rates
     settings: dict[str, Any]
     host_bytes: int | None = None  # host memory offloading may pin (None: not known)
+    degree: int = 1  # processes a row is split across (`per_process`: the rows of each, its group's)
+    tiled: bool = False  # the MLPs computed in sequence tiles
     estimates: dict[tuple[int, Checkpointing], MemoryEstimate] = field(default_factory=dict)
     uniform: dict[Checkpointing, MemoryEstimate] = field(default_factory=dict)
 
-    def plan(self, chosen: Candidate, budget_bytes: int, source: str, frontier: list[Candidate]) -> BatchPlan:
-        """The plan of the `chosen` candidate, with its estimate and what was weighed (`frontier`, fastest first)."""
+    def plan(
+        self,
+        chosen: Candidate,
+        budget_bytes: int,
+        source: str,
+        frontier: list[Candidate],
+        degrees: list[dict[str, Any]],
+    ) -> BatchPlan:
+        """The plan of the `chosen` candidate, with its estimate and what was weighed (`frontier`, fastest first;
+        `degrees`: each sequence-parallel degree and tiling's outcome)."""
         est = self.predict(chosen.micro_batch_size, chosen.checkpointing)
         return BatchPlan(
             micro_batch_size=chosen.micro_batch_size,
@@ -154,6 +305,9 @@ class _Search:
             rates_source=self.rates.source,
             frontier=[c.to_dict(self.layers) for c in frontier],
             chunk_rows=est.settings["chunk_size"],
+            sequence_parallel=self.degree,
+            tiled_mlp=self.tiled,
+            degrees=degrees,
             estimate=est,
         )
 
@@ -169,7 +323,14 @@ class _Search:
 
     def _kwargs(self, m: int) -> dict[str, Any]:
         accum = max(1, self.per_process // m)
-        return dict(micro_batch_size=m, seq_len=self.seq_len, num_processes=self.num_processes, grad_accum_steps=accum)
+        return dict(
+            micro_batch_size=m,
+            seq_len=self.seq_len,
+            num_processes=self.num_processes,
+            grad_accum_steps=accum,
+            sequence_parallel=self.degree,
+            tiled_mlp=self.tiled,
+        )
 
     def time_uniform(self, modes: list[Checkpointing], lazy: set[Checkpointing]) -> None:
         """Estimate at `m0` the uniform settings that time `modes`; the `lazy` (offloaded) ones from every layer's."""
@@ -183,10 +344,11 @@ class _Search:
         self, mode: Checkpointing, m: int, uniform: dict[Checkpointing, MemoryEstimate] | None = None
     ) -> Candidate:
         """Predicted step time of `mode` at micro-batch `m` from the estimates at `m0` (`uniform`, by default the
-        search's): forward and backward work scales with the tokens, except the op count, at the FLOP rate of `m` x
-        `seq_len` rows; the optimizer's is once per step; the engine's collectives overlap the micro-steps they
-        run in (`llmtune.communication.step_seconds`). Every k-th layer recomputed: none's work plus the
-        recomputed layers' share of the difference to every layer."""
+        search's): forward and backward work scales with the tokens, except the op count, at the FLOP rate of the
+        process's `m` x `seq_len` / degree rows; the optimizer's is once per step; the engine's collectives overlap
+        the micro-steps they run in (`llmtune.communication.step_seconds`); sequence parallelism's all-to-alls add to
+        each micro-step (`alltoall_bytes`). Every k-th layer recomputed: none's work plus the recomputed layers'
+        share of the difference to every layer."""
         uniform = self.uniform if uniform is None else uniform
         if 1 < mode.every_n_layers:
             none, full = uniform[Checkpointing(0)], uniform[replace(mode, every_n_layers=1)]
@@ -196,11 +358,28 @@ class _Search:
         else:
             work, update = uniform[mode].work, uniform[mode].optimizer_work
         scaled = replace(work * (m / self.m0), ops=work.ops, block_ops=work.block_ops)
-        micro = self.rates.seconds(scaled, rows=m * self.seq_len)
+        alltoall = alltoall_seconds(self.alltoall_bytes(mode, m), self.rates)
+        micro = self.rates.seconds(scaled, rows=m * self.shard) + alltoall
         seconds = step_seconds(
             micro, self.per_process // m, self.rates.seconds(update), self.traffic(), self.rates.link_bytes_per_s
         )
-        return Candidate(m, mode, seconds, self.per_process * self.seq_len / seconds)
+        tokens = self.per_process * self.seq_len / self.degree  # this process's share of its group's rows
+        return Candidate(m, mode, seconds, tokens / seconds, sequence_parallel=self.degree, tiled_mlp=self.tiled)
+
+    @property
+    def shard(self) -> int:
+        """Tokens of each row a process holds: its rows padded to a multiple of the degree, as training pads them."""
+        return -(-self.seq_len // self.degree)
+
+    def alltoall_bytes(self, mode: Checkpointing, m: int) -> float:
+        """Bytes this process sends in a micro-step of `m` rows to the others of its sequence group: every layer's
+        forward all-to-alls (`llmtune.sequence.alltoall_bytes_per_layer`), as many again in backward, and once more in
+        each layer `mode` recomputes. In the dtype attention computes in (16-bit under mixed precision)."""
+        from llmtune.sequence import alltoall_bytes_per_layer
+
+        dtype_bytes = 4 if self.settings["precision"] == "fp32" else 2
+        per_layer = alltoall_bytes_per_layer(self.config, m * self.shard * self.degree, self.degree, dtype_bytes)
+        return per_layer * (2 * self.layers + checkpointed_layers(mode.every_n_layers, self.layers))
 
     def traffic(self) -> Traffic:
         """What the engine sends between the processes a step (`llmtune.communication`)."""
@@ -248,23 +427,56 @@ def _as_given(search: _Search, least: Checkpointing) -> Candidate:
 
 
 def _does_not_fit(search: _Search, least: Checkpointing, budget_bytes: int) -> MemoryPlanError:
-    """Why nothing fits: the smallest micro-batch's peak with the least memory, its breakdown, and what may help."""
+    """Why nothing fits: the smallest micro-batch's peak with the least memory (at the largest degree weighed), its
+    breakdown, and what may help: first what would fit, where a larger degree on more processes would."""
     smallest = search.predict(search.m0, least)
+    split = f" ({search.shard} a process: sequence parallel {search.degree})" if search.degree > 1 else ""
+    remedies = _remedies(search.settings, least, search.tiled)
     return MemoryPlanError(
-        f"micro-batch {search.m0} x {search.seq_len} tokens is predicted to peak at "
+        f"micro-batch {search.m0} x {search.seq_len} tokens{split} is predicted to peak at "
         f"{format_bytes(smallest.reserved_bytes)} ({smallest.peak_phase}), over the budget of "
-        f"{format_bytes(budget_bytes)}. Try: {', '.join(_remedies(search.settings, least))}. Breakdown at"
-        " the peak: " + ", ".join(f"{k}={format_bytes(v)}" for k, v in smallest.breakdown.items())
+        f"{format_bytes(budget_bytes)}. Try: {', '.join([*_more_processes(search, least, budget_bytes), *remedies])}."
+        " Breakdown at the peak: " + ", ".join(f"{k}={format_bytes(v)}" for k, v in smallest.breakdown.items())
     )
 
 
-def _candidates(global_batch_size: int, num_processes: int) -> list[int]:
-    """Micro-batches m with global % (m * processes) == 0, ascending."""
-    if global_batch_size < 1 or num_processes < 1 or global_batch_size % num_processes:
-        raise ValueError(
-            f"global_batch_size={global_batch_size} must be a positive multiple of num_processes={num_processes}"
+# How far beyond the launch's processes `_more_processes` looks: sequence groups 2, 4 and 8 times as large.
+MORE_PROCESSES = (2, 4, 8)
+
+
+def _more_processes(search: _Search, least: Checkpointing, budget_bytes: int) -> list[str]:
+    """The smallest larger sequence-parallel degree (on as many more processes, the data-parallel ones as they are)
+    at which the smallest micro-batch with the least memory fits, with its peak; the largest tried where none does;
+    nothing where the model's heads allow no larger degree."""
+    from llmtune.sequence import refusal
+
+    tried = None
+    for k in MORE_PROCESSES:
+        degree = search.degree * k
+        if refusal(search.config, degree) is not None:
+            continue
+        larger = replace(search, num_processes=search.num_processes * k, degree=degree, estimates={}, uniform={})
+        peak = larger.predict(search.m0, least).reserved_bytes
+        tried = (
+            f"sequence parallel {degree} on {larger.num_processes} processes"
+            f" ({larger.shard} tokens a process; predicted peak {format_bytes(peak)}"
         )
-    per_process = global_batch_size // num_processes
+        if peak <= budget_bytes:
+            return [f"{tried}, fits)"]
+    return [f"{tried}, still over)"] if tried else []
+
+
+def _sizes(global_batch_size: int, data_parallel: int, fixed: int | None) -> list[int]:
+    """Micro-batches m with global % (m * data-parallel processes) == 0, ascending; `fixed` alone where it divides
+    them (else none)."""
+    if global_batch_size < 1 or data_parallel < 1 or global_batch_size % data_parallel:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} must be a positive multiple of the {data_parallel} data-parallel"
+            " processes"
+        )
+    per_process = global_batch_size // data_parallel
+    if fixed:
+        return [fixed] if per_process % fixed == 0 else []
     return [m for m in range(1, per_process + 1) if per_process % m == 0]
 
 
@@ -295,13 +507,14 @@ def _no_smaller(c: Candidate, too_big: Candidate, modes: list[Checkpointing]) ->
 
 def _with_estimates(candidates: list[Candidate], weighed: list[Candidate]) -> list[Candidate]:
     """Every candidate, fastest first, with its peak where one was estimated."""
-    known = {(c.micro_batch_size, c.checkpointing): c for c in weighed}
-    return [known.get((c.micro_batch_size, c.checkpointing), c) for c in candidates]
+    known = {_key(c): c for c in weighed}
+    return [known.get(_key(c), c) for c in candidates]
 
 
-def _remedies(settings: dict[str, Any], checkpointing: Checkpointing) -> list[str]:
+def _remedies(settings: dict[str, Any], checkpointing: Checkpointing, tiled: bool) -> list[str]:
     """What would lower the peak, leaving out what the run already does."""
     remedies = [
+        ("an MLP in sequence tiles (parallel.tiled_mlp: true)", not tiled),
         ("gradient checkpointing", checkpointing.every_n_layers != 1),
         (
             "activation offloading (gradient_checkpointing: {every_n_layers: 1, offload: true})",

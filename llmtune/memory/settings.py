@@ -55,6 +55,10 @@ class Settings:
     objective: str = "sft"
     reference: str = "none"
     compute_capability: tuple[int, int] | None = None  # the CUDA card's (None: sm80/sm90): its attention kernels
+    # Processes each row is split across along the sequence (llmtune.sequence): the step is one process's, on its
+    # shard of `seq_len` / sequence_parallel tokens a row, attention all-to-all'd to the whole rows at its heads' share.
+    sequence_parallel: int = 1
+    tiled_mlp: bool = False  # each decoder MLP computed in sequence tiles (llmtune.tiling)
 
     @property
     def sharded_16bit(self) -> bool:
@@ -80,13 +84,20 @@ def settings_of(
     `objective` dpo / orpo / simpo traces `llmtune.preference.PreferenceModel` on pairs (`micro_batch_size`
     examples, each a pair), grpo `llmtune.grpo.GRPOModel` on `micro_batch_size` completions (prompt + completion
     rows, padded), each with its `reference` forward (adapter_disabled, a frozen copy) or none.
+    `sequence_parallel` N: one process of a group of N that splits every row along the sequence (rows padded to a
+    multiple of N, as training pads them); refused where the model cannot be split so (`llmtune.sequence.refusal`).
     """
+    from llmtune.sequence import refusal
+
     s = Settings(
         checkpointing=checkpointing_of(gradient_checkpointing),
         chunk_size=chunk_size or default_chunk_size(getattr(config, "text_config", config).vocab_size),
         **settings,
     )
     _validate(s)
+    why = refusal(config, s.sequence_parallel)
+    if why is not None:
+        raise ValueError(f"sequence_parallel={s.sequence_parallel}: {why}")
     return s
 
 
@@ -94,6 +105,8 @@ def _validate(s: Settings) -> None:
     """Refuse settings no step can run, with the reason."""
     if s.micro_batch_size < 1 or s.seq_len < 2:
         raise ValueError("micro_batch_size must be >= 1 and seq_len >= 2")
+    if s.sequence_parallel < 1 or s.num_processes % s.sequence_parallel:
+        raise ValueError(f"sequence_parallel={s.sequence_parallel}: expected >= 1 dividing {s.num_processes} processes")
     if not 0 < s.trained_fraction <= 1:
         raise ValueError(f"trained_fraction={s.trained_fraction}; expected 0 < f <= 1")
     if s.objective == "dpo" and s.reference == "none":

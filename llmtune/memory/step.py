@@ -24,11 +24,18 @@ def objective_of(s: Settings) -> Objective:
 
 def micro_batch(objective: Objective, s: Settings) -> dict[str, torch.Tensor]:
     """A micro-batch as the objective's `collate` makes it from `micro_batch_size` of its longest examples (`seq_len`
-    tokens: the largest micro-batch of the run). Real tensors, made outside the trace: a collate reads its examples'
-    values (where sequences start), which fake tensors do not have."""
+    tokens: the largest micro-batch of the run); under sequence parallelism, one process's shard of it, as training
+    pads its rows to a multiple of the degree and shards them (`llmtune.sequence.shard_batch`: all shards are the
+    same size). Real tensors, made outside the trace: a collate reads its examples' values (where sequences start),
+    which fake tensors do not have."""
+    from llmtune.sequence import SequenceGroup, shard_batch
+
     packed = s.layout == "packed"
     examples = [objective.longest_example(s.seq_len, packed)] * s.micro_batch_size
-    return objective.collate(examples, pad_token_id=0, packed=packed)
+    degree = s.sequence_parallel
+    multiple = degree if degree > 1 else None
+    batch = objective.collate(examples, pad_token_id=0, packed=packed, pad_to_multiple_of=multiple)
+    return shard_batch(batch, SequenceGroup(degree))
 
 
 def build_model(config: Any, s: Settings) -> torch.nn.Module:

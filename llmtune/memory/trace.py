@@ -28,6 +28,8 @@ from llmtune.memory.sharding import ModelBytes, Sharding, sharding_plan
 from llmtune.memory.step import build_model, micro_batch, objective_of, step_module, step_optimizer
 from llmtune.model import apply_checkpointing
 from llmtune.objectives import Objective
+from llmtune.sequence import ULYSSES, planned_degree
+from llmtune.tiling import tile_mlp
 from llmtune.timing import Work
 
 _CUDA_BLOCK = 512  # bytes; the CUDA caching allocator rounds every block up to this
@@ -46,15 +48,12 @@ class Trace:
 
 def trace_step(config: Any, s: Settings, period: int) -> Trace:
     """Run one steady-state training step of `config` on fake tensors and record segment peaks."""
-    # The attention a run loads for these settings (packed SFT rows: each document alone, llmtune.attention).
-    packed = s.layout == "packed"
-    s = replace(
-        s, attn_implementation=attention_for(s.attn_implementation, packed=packed, objective=s.objective, config=config)
-    )
+    s = replace(s, attn_implementation=_attention_of(config, s))
     fa2 = s.attn_implementation == "flash_attention_2"
     objective = objective_of(s)
     inputs = micro_batch(objective, s)
-    with FakeTensorMode() as fake, _no_packed_mask() if fa2 else nullcontext():
+    # As one process of a sequence group: each all-to-all a buffer of its output's shape (llmtune.sequence).
+    with FakeTensorMode() as fake, _no_packed_mask() if fa2 else nullcontext(), planned_degree(s.sequence_parallel):
         model, module, opt = _steady_state(config, objective, s)
         trainable = [p for p in model.parameters() if p.requires_grad]
         layers = _decoder_layers(model)
@@ -80,6 +79,14 @@ def trace_step(config: Any, s: Settings, period: int) -> Trace:
     return Trace(counter.segments, totals, counter.total_work(), counter.work["step"], overhead)
 
 
+def _attention_of(config: Any, s: Settings) -> str:
+    """The attention a run loads for these settings: a sequence shard's, all-to-all'd to whole rows (`ULYSSES`);
+    else packed rows' each document alone (`llmtune.attention.attention_for`)."""
+    if s.sequence_parallel > 1:
+        return ULYSSES
+    return attention_for(s.attn_implementation, packed=s.layout == "packed", objective=s.objective, config=config)
+
+
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     """The model's stack of decoder layers: its longest ModuleList."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
@@ -95,6 +102,8 @@ def _steady_state(
     # by hooks of our own (`offload_saved_inputs`): transformers' would copy fake tensors to pinned memory.
     recompute = functools.partial(CudaKernels, _sdpa_capability(s)) if s.device == "cuda" else None
     apply_checkpointing(model, replace(s.checkpointing, offload=False), recompute=recompute)
+    if s.tiled_mlp:  # after checkpointing, as `llmtune.parallelize.adapt` tiles them: inside the recomputed layers
+        tile_mlp(model)
     model.train()
     # The module the training loop runs (and refuses what it refuses, with the same message).
     module = step_module(config, model, objective, s)
@@ -175,7 +184,7 @@ def _register_states(
     for v in state_tensors:
         counter.register(v, "optimizer_states")
     if "loss_rows" in batch:  # its length is the data's: the trained share of the rows (`TraceCounter.trained_rows`)
-        batch["loss_rows"] = counter.trained_rows(batch["labels"])
+        batch["loss_rows"] = counter.trained_rows(batch["labels"] if "labels" in batch else batch["shift_labels"])
     for v in batch.values():
         if isinstance(v, torch.Tensor):
             counter.register(v, "inputs")
