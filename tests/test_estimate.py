@@ -268,3 +268,31 @@ def test_model_without_recipe_reads_no_data(capsys, tiny_model_dir):
     assert "data" not in json.loads(capsys.readouterr().out)
     assert main(args) == 0
     assert "data:" not in capsys.readouterr().out
+
+
+def test_estimate_answers_how_long_rows_are_split_and_what_would_fit_where_none_do(tiny_recipe, capsys, monkeypatch):
+    """Issue 45: on 2 processes, a budget under whole rows' peak but over a half row's is answered with rows split
+    across both (`how`); on 1 process the same budget does not fit, and the error names the degree that would."""
+    from test_planner import RATES
+
+    from llmtune import timing
+
+    monkeypatch.setattr(timing, "measure_rates", lambda *a, **k: RATES)  # the choice depends on memory alone here
+    recipe = tiny_recipe(**{"data__max_length": 256, "training__micro_batch_size": 1})
+    cpu = ["--no-data", "--device", "cpu", "--sharding", "none", "training.global_batch_size=2"]
+
+    def peak(degree: int, processes: int = 2) -> int:
+        args = [*cpu, "--device-memory", "1GiB", "--num-processes", str(processes), "--sequence-parallel", str(degree)]
+        return _estimate_json(capsys, recipe, *args)["predicted_peak_bytes"]
+
+    # Micro-batch 1, every layer recomputed (the recipe's): the least memory; 1 process keeps no DDP buckets.
+    whole, half = min(peak(1), peak(1, processes=1)), peak(2)
+    assert half < whole
+    budget = (whole + half) // 2
+    planned = [*cpu, "training.micro_batch_size=auto", "--tiled-mlp", "off", "--device-memory", str(budget)]
+    answer = _estimate_json(capsys, recipe, *planned, "--num-processes", "2")["how"]
+    assert answer["sequence_parallel"] == 2 and answer["tokens_per_process"] == 128 and answer["fits"]
+    assert answer["micro_batch_size"] * answer["grad_accum_steps"] == 2  # the global batch, on 1 data-parallel process
+    assert answer["predicted_peak_bytes"] <= budget and answer["predicted_step_seconds"] > 0
+    assert main(["estimate", "--recipe", str(recipe), *planned, "--num-processes", "1"]) == 2
+    assert "sequence parallel 2 on 2 processes (128 tokens a process" in capsys.readouterr().err

@@ -431,3 +431,86 @@ def test_planning_leaves_the_runs_random_state_alone(tiny_recipe):
 
     for planned, fixed in zip(weights("auto"), weights(False), strict=True):
         assert torch.equal(planned, fixed)
+
+
+# Sequence parallelism (issue 45): the planner weighs each degree as one process of a sequence group.
+SP_KW = dict(seq_len=512, precision="bf16", device="cpu", loss="chunked", chunk_size=64)
+
+
+@pytest.mark.parametrize("checkpointing", [Checkpointing(0), Checkpointing(1)])
+def test_the_all_to_all_bytes_the_time_model_charges_are_those_a_traced_step_sends(monkeypatch, checkpointing):
+    """A degree-2 step of a GQA model traced as one process of its group: every all-to-all it runs (forward, backward,
+    a checkpointed layer's recomputation) sends (N - 1) / N of its buffer, and their sum is what the planner charges."""
+    import llmtune.sequence as sequence
+    from llmtune.memory.search import alltoall_bytes
+    from llmtune.memory.settings import settings_of
+    from llmtune.memory.trace import trace_step
+
+    sent, degree = [], 2
+    real = sequence._all_to_all
+
+    def counted(x, scatter_dim, gather_dim, group):
+        sent.append(x.numel() * x.element_size() * (group.degree - 1) // group.degree)
+        return real(x, scatter_dim, gather_dim, group)
+
+    monkeypatch.setattr(sequence, "_all_to_all", counted)
+    cfg = tiny_config("llama", layers=2)  # 4 heads, 2 KV heads
+    s = settings_of(
+        cfg,
+        micro_batch_size=2,
+        num_processes=2,
+        sequence_parallel=degree,
+        gradient_checkpointing=checkpointing,
+        **SP_KW,
+    )
+    trace_step(cfg, s, period=1)
+    # q, k, v and the output in forward and backward, and again in each recomputed layer's forward.
+    assert len(sent) == 4 * (3 if checkpointing.enabled else 2) * cfg.num_hidden_layers
+    assert sum(sent) == alltoall_bytes(cfg, 2 * 512, degree, "bf16", "none", checkpointing) > 0
+
+
+def test_auto_splits_rows_across_processes_only_where_whole_rows_do_not_fit():
+    """On 2 processes: a roomy budget keeps whole rows (and weighs no other degree); a budget under whole rows' peak but
+    over a half row's splits them across both processes, the global batch kept (micro x accumulation x 1)."""
+    cfg = tiny_config("llama", layers=2)
+    common = dict(global_batch_size=4, num_processes=2, gradient_checkpointing=True, rates=RATES, **SP_KW)
+    whole = estimate(cfg, micro_batch_size=1, gradient_checkpointing=True, num_processes=2, **SP_KW).peak_bytes
+    half = estimate(cfg, micro_batch_size=1, gradient_checkpointing=True, num_processes=2, sequence_parallel=2, **SP_KW)
+    assert half.peak_bytes < whole
+    roomy = plan_micro_batch(cfg, budget_bytes=2**34, sequence_parallel="auto", **common)
+    assert roomy.sequence_parallel == 1 and [d["sequence_parallel"] for d in roomy.degrees] == [1]
+    budget = (half.peak_bytes + whole) // 2
+    split = plan_micro_batch(cfg, budget_bytes=budget, sequence_parallel="auto", **common)
+    assert split.sequence_parallel == 2 and split.fits and split.predicted_peak_bytes <= budget
+    assert split.micro_batch_size * split.grad_accum_steps * (2 // split.sequence_parallel) == 4
+    assert split.estimate.settings["sequence_parallel"] == 2
+    assert [(d["sequence_parallel"], d["fits"]) for d in split.degrees] == [(1, False), (2, True)]
+    with pytest.raises(MemoryPlanError):  # the same budget, rows kept whole
+        plan_micro_batch(cfg, budget_bytes=budget, sequence_parallel=1, **common)
+
+
+@pytest.mark.parametrize(
+    ("processes", "degree", "why"),
+    [(4, 3, "does not divide the 4 process"), (8, 8, "4 attention heads do not divide by 8")],
+)
+def test_a_fixed_degree_the_processes_or_heads_cannot_take_is_refused_in_one_line(processes, degree, why):
+    from llmtune.memory import SequenceParallelError
+
+    cfg = tiny_config("llama", layers=2)
+    with pytest.raises(SequenceParallelError, match=why) as err:
+        plan_micro_batch(
+            cfg, global_batch_size=8, num_processes=processes, budget_bytes=2**34, sequence_parallel=degree, **SP_KW
+        )
+    assert "\n" not in str(err.value)
+
+
+def test_tiled_mlps_are_taken_only_where_nothing_whole_fits():
+    cfg = tiny_config("llama", layers=2)
+    common = dict(global_batch_size=1, gradient_checkpointing=False, rates=RATES, tiled_mlp="auto", **SP_KW)
+    whole = estimate(cfg, micro_batch_size=1, gradient_checkpointing=False, **SP_KW).peak_bytes
+    tiled = estimate(cfg, micro_batch_size=1, gradient_checkpointing=False, tiled_mlp=True, **SP_KW).peak_bytes
+    assert tiled < whole
+    roomy = plan_micro_batch(cfg, budget_bytes=2**34, **common)
+    assert not roomy.tiled_mlp and [d["tiled_mlp"] for d in roomy.degrees] == [False]
+    tight = plan_micro_batch(cfg, budget_bytes=(tiled + whole) // 2, **common)
+    assert tight.tiled_mlp and tight.fits and tight.estimate.settings["tiled_mlp"]

@@ -371,15 +371,11 @@ class _Search:
         """Tokens of each row a process holds: its rows padded to a multiple of the degree, as training pads them."""
         return -(-self.seq_len // self.degree)
 
-    def alltoall_bytes(self, mode: Checkpointing, m: int) -> float:
-        """Bytes this process sends in a micro-step of `m` rows to the others of its sequence group: every layer's
-        forward all-to-alls (`llmtune.sequence.alltoall_bytes_per_layer`), as many again in backward, and once more in
-        each layer `mode` recomputes. In the dtype attention computes in (16-bit under mixed precision)."""
-        from llmtune.sequence import alltoall_bytes_per_layer
-
-        dtype_bytes = 4 if self.settings["precision"] == "fp32" else 2
-        per_layer = alltoall_bytes_per_layer(self.config, m * self.shard * self.degree, self.degree, dtype_bytes)
-        return per_layer * (2 * self.layers + checkpointed_layers(mode.every_n_layers, self.layers))
+    def alltoall_bytes(self, mode: Checkpointing, m: int) -> int:
+        """Bytes this process sends to the rest of its sequence group in a micro-step of `m` rows (`alltoall_bytes`)."""
+        tokens = m * self.shard * self.degree
+        s = self.settings
+        return alltoall_bytes(self.config, tokens, self.degree, s["precision"], s.get("sharding", "none"), mode)
 
     def traffic(self) -> Traffic:
         """What the engine sends between the processes a step (`llmtune.communication`)."""
@@ -464,6 +460,30 @@ def _more_processes(search: _Search, least: Checkpointing, budget_bytes: int) ->
         if peak <= budget_bytes:
             return [f"{tried}, fits)"]
     return [f"{tried}, still over)"] if tried else []
+
+
+def alltoall_bytes(
+    config: Any, tokens: int, degree: int, precision: str, sharding: str, checkpointing: Checkpointing
+) -> int:
+    """Bytes one process of a sequence group of `degree` sends to the others in a micro-step of `tokens` tokens (the
+    group's, padded rows): every layer's forward all-to-alls (`llmtune.sequence.alltoall_bytes_per_layer`), as many
+    again in backward, and once more in each layer `checkpointing` recomputes.
+
+    In the dtype attention's inputs have: fp32 in fp32; 16-bit where the blocks compute in 16-bit (bf16-true, a
+    sharding engine's mixed precision); under autocast (mixed precision, fp32 weights and residual stream) q and k
+    leave rotary in fp32 (its fp32 cos and sin promote them; SDPA casts them down after the all-to-all) and v and the
+    output in 16-bit. q and k together are half the elements (heads + KV heads, as v and the output), so that is the
+    mean of the two."""
+    from llmtune.sequence import alltoall_bytes_per_layer
+
+    layers = int(config.get_text_config().num_hidden_layers)
+    if precision == "fp32":
+        per_layer = alltoall_bytes_per_layer(config, tokens, degree, 4)
+    elif precision in ("bf16", "fp16") and sharding == "none":  # autocast (Settings.sharded_16bit is False)
+        per_layer = sum(alltoall_bytes_per_layer(config, tokens, degree, b) for b in (4, 2)) // 2
+    else:
+        per_layer = alltoall_bytes_per_layer(config, tokens, degree, 2)
+    return per_layer * (2 * layers + checkpointed_layers(checkpointing.every_n_layers, layers))
 
 
 def _sizes(global_batch_size: int, data_parallel: int, fixed: int | None) -> list[int]:
