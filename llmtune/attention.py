@@ -118,6 +118,7 @@ def varlen_attention(
     so a left-padded batch is not supported: a run loads it for training on packed rows only (`attention_for`)."""
     if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
         raise ValueError(f"{VARLEN} runs neither soft-capped nor sliding-window attention; use sdpa or eager")
+    query, key, value = autocast_inputs(query, key, value)
     if cu_seq_lens_q is None:
         position_ids = kwargs.get("position_ids")
         if position_ids is None or key.shape[2] != query.shape[2]:  # generating: rows are whole sequences
@@ -134,6 +135,18 @@ def varlen_attention(
     else:
         out = per_document_sdpa(query, key, value, cu_seq_lens_q, scale, dropout)
     return out, None
+
+
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v in autocast's dtype where autocast is on for their device, as SDPA would cast them. Under mixed
+    precision q and k arrive in fp32 (the rotary embeddings, computed in the fp32 residual stream's dtype, promote the
+    16-bit projections) and v in 16-bit: uncast, flash's 16-bit kernel would be passed over for SDPA once per
+    document (a host read of the offsets every layer), and an all-to-all would move q and k in fp32."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
 
 
 # On a CPU, one masked SDPA over whole rows computes L x H x D products a token; one SDPA call per document costs

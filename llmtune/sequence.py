@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PretrainedConfig
 
-from llmtune.attention import varlen_attention, varlen_refusal
+from llmtune.attention import autocast_inputs, varlen_attention, varlen_refusal
 from llmtune.data.batch import with_documents
 from llmtune.data.render import IGNORE
 
@@ -225,6 +225,7 @@ def ulysses_attention(
     group = _current
     if group.degree == 1:
         return varlen_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    query, key, value = autocast_inputs(query, key, value)  # what attention computes in: what the all-to-alls move
     key, value = kv_for_degree(key, group.degree), kv_for_degree(value, group.degree)
     q, k, v = (all_to_all(t, 1, 2, group) for t in (query, key, value))  # heads split, whole rows
     out, _ = varlen_attention(module, q, k, v, None, dropout, scaling, **kwargs)  # [B, L, H/N, D]

@@ -251,6 +251,27 @@ def test_packed_attention_computes_only_each_documents_causal_block(kernel, tiny
     assert counted.elements == layers * heads * sum(n * (n + 1) // 2 for n in spans)
 
 
+def test_under_mixed_precision_a_gpu_runs_flashs_varlen_kernel_in_16_bit(tiny_recipe, monkeypatch):
+    """bf16 autocast (mixed precision, fp32 weights): q and k reach attention in fp32, promoted by the rotary embeddings
+    of the fp32 residual stream. Attention casts them to bf16 as SDPA would, so a GPU runs flash's 16-bit varlen kernel.
+    Before, a GPU fell back to SDPA once per document, reading the offsets on the host in every layer."""
+    import llmtune.attention as attention
+
+    model, objective = _model(tiny_recipe, "sdpa")
+    batch = objective.collate(_packed_rows(_documents(LONG_ROWS), LONG_ROWS), pad_token_id=0, packed=True)
+    ran = []
+
+    def flash(q, k, v, *args):
+        ran.append((q.dtype, k.dtype, v.dtype))
+        return _reference_varlen(q, k, v, *args)
+
+    monkeypatch.setattr(attention, "_flash_kernel", lambda: flash)
+    monkeypatch.setattr(attention, "per_document_sdpa", None)  # not a kernel this run may take
+    with torch.no_grad(), attention.planned_device("cuda"), torch.autocast("cpu", dtype=torch.bfloat16):
+        CausalLMWithLoss(model, "chunked")(**batch)
+    assert ran == [(torch.bfloat16,) * 3] * model.config.num_hidden_layers
+
+
 # ---------------------------------------------------------------- preference pairs
 
 

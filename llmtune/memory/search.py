@@ -375,7 +375,7 @@ class _Search:
         """Bytes this process sends to the rest of its sequence group in a micro-step of `m` rows (`alltoall_bytes`)."""
         tokens = m * self.shard * self.degree
         s = self.settings
-        return alltoall_bytes(self.config, tokens, self.degree, s["precision"], s.get("sharding", "none"), mode)
+        return alltoall_bytes(self.config, tokens, self.degree, s["precision"], mode)
 
     def traffic(self) -> Traffic:
         """What the engine sends between the processes a step (`llmtune.communication`)."""
@@ -462,27 +462,17 @@ def _more_processes(search: _Search, least: Checkpointing, budget_bytes: int) ->
     return [f"{tried}, still over)"] if tried else []
 
 
-def alltoall_bytes(
-    config: Any, tokens: int, degree: int, precision: str, sharding: str, checkpointing: Checkpointing
-) -> int:
+def alltoall_bytes(config: Any, tokens: int, degree: int, precision: str, checkpointing: Checkpointing) -> int:
     """Bytes one process of a sequence group of `degree` sends to the others in a micro-step of `tokens` tokens (the
     group's, padded rows): every layer's forward all-to-alls (`llmtune.sequence.alltoall_bytes_per_layer`), as many
     again in backward, and once more in each layer `checkpointing` recomputes.
 
-    In the dtype attention's inputs have: fp32 in fp32; 16-bit where the blocks compute in 16-bit (bf16-true, a
-    sharding engine's mixed precision); under autocast (mixed precision, fp32 weights and residual stream) q and k
-    leave rotary in fp32 (its fp32 cos and sin promote them; SDPA casts them down after the all-to-all) and v and the
-    output in 16-bit. q and k together are half the elements (heads + KV heads, as v and the output), so that is the
-    mean of the two."""
+    In the dtype attention computes in: fp32 in fp32, else 16-bit (under autocast q and k leave rotary in fp32, and
+    `llmtune.attention.autocast_inputs` casts them down before the all-to-all, as SDPA would after it)."""
     from llmtune.sequence import alltoall_bytes_per_layer
 
     layers = int(config.get_text_config().num_hidden_layers)
-    if precision == "fp32":
-        per_layer = alltoall_bytes_per_layer(config, tokens, degree, 4)
-    elif precision in ("bf16", "fp16") and sharding == "none":  # autocast (Settings.sharded_16bit is False)
-        per_layer = sum(alltoall_bytes_per_layer(config, tokens, degree, b) for b in (4, 2)) // 2
-    else:
-        per_layer = alltoall_bytes_per_layer(config, tokens, degree, 2)
+    per_layer = alltoall_bytes_per_layer(config, tokens, degree, 4 if precision == "fp32" else 2)
     return per_layer * (2 * layers + checkpointed_layers(checkpointing.every_n_layers, layers))
 
 
