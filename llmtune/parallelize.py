@@ -12,6 +12,10 @@ The transformations apply in the only order they may:
 6. `Accelerator.prepare` (DDP, DeepSpeed), which FSDP2 skips: Accelerate would wrap the sharded model again.
 
 Anything that must run on the prepared module (a DPO reference's log-probs, `Objective.attach`) comes after it.
+
+The sequence split (llmtune.sequence) is no step here: the model loads with its attention (`load_model`), each
+process's part of the rows comes from the loop, and FSDP2 and DDP treat a sequence group's processes as data-parallel
+ones (FSDP2 shards over the whole (data, sequence) mesh).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def parallelize(
     accelerator: Accelerator,
 ) -> Parallelized:
     """Apply checkpointing -> PEFT -> compile -> the objective's module -> FSDP2 or the DeepSpeed config -> prepare."""
-    model = adapt(model, recipe, plan.checkpointing, device_type=accelerator.device.type)
+    model = adapt(model, recipe, plan.checkpointing, tiled_mlp=plan.tiled_mlp, device_type=accelerator.device.type)
     # Measured on whole parameters, before the engine shards them (FSDP2's DTensors, ZeRO-3's empty tensors).
     parameters, flops = count_parameters(model), model_flops(model)
     dtype = parallel.weights_dtype(engine, precision)

@@ -282,6 +282,7 @@ def plan_run(
                 checkpointing=fixed,
                 chunk_rows=chunk,
                 sequence_parallel=degree,
+                tiled_mlp=recipe.parallel.tiled_mlp is True,  # auto, unplanned: whole
             )
 
     def plan() -> BatchPlan:

@@ -2,10 +2,11 @@
 
 ONE launch of 4 CPU processes (gloo) under FSDP2: a (data 2 x sequence 2) mesh, each packed row of 4096 tokens split
 in two halves, FSDP2 sharding over all four. It runs in turn: SFT on a tiny Llama (GQA, 2 KV heads) then its resume,
-SFT with LoRA on a tiny Qwen2 with one KV head (repeated to the degree), DPO (a precomputed reference: forwards through
-the sharded module before training) and GRPO steps (sampling whole prompts, training on shards). Each is compared with
-the same recipe run by one process in this process: losses step by step, and the final weights (every gradient of the
-run went into them). The launch also counts the bytes each all-to-all sends to the other processes.
+SFT with LoRA on a tiny Qwen2 with one KV head (repeated to the degree) and its MLPs in sequence tiles, DPO (a
+precomputed reference: forwards through the sharded module before training) and GRPO steps (sampling whole prompts,
+training on shards). Each is compared with the same recipe run by one process in this process (whole rows, whole
+MLPs): losses step by step, and the final weights (every gradient of the run went into them). The launch also counts
+the bytes each all-to-all sends to the other processes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 ROW = 4096
 PROCESSES, DEGREE = 4, 2
+# What the launch alone runs with: its Qwen2's MLPs in sequence tiles (llmtune.tiling; 32 tiles of 64 tokens a shard).
+LAUNCH_ONLY = {"qwen2-lora": ["parallel.tiled_mlp=true"]}
 
 # The launch's entry: every all-to-all's bytes to other processes, and the tokens of every micro-batch split, per run
 # and process.
@@ -127,12 +130,15 @@ def launched(tmp_path_factory, recipes) -> Path:
     """The one launch: every run of `recipes` in turn, split along the sequence; the resume continues `sft`'s folder."""
     folder = tmp_path_factory.mktemp("sp-launch")
     out = {name: folder / ("sft" if name == "sft-resumed" else name) for name in recipes}
-    (first, (path, extra)), *rest = recipes.items()
-    more = [arg for name, (r, e) in rest for arg in then(r, out[name], *e, f"parallel.sequence_parallel={DEGREE}")]
+    split = {
+        name: [*extra, *LAUNCH_ONLY.get(name, []), f"parallel.sequence_parallel={DEGREE}"]
+        for name, (_, extra) in recipes.items()
+    }
+    (first, (path, _)), *rest = recipes.items()
+    more = [arg for name, (r, _) in rest for arg in then(r, out[name], *split[name])]
     entry = folder / "entry.py"
     entry.write_text(COUNT_ALLTOALL + RUNS)
-    cmd = launch(path, out[first], "fsdp2", *extra, f"parallel.sequence_parallel={DEGREE}", *more, script=entry,
-                 num_processes=PROCESSES)  # fmt: skip
+    cmd = launch(path, out[first], "fsdp2", *split[first], *more, script=entry, num_processes=PROCESSES)
     grpo_rewards = recipes["grpo"][0].parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(grpo_rewards), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
