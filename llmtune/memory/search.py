@@ -123,30 +123,35 @@ def plan_micro_batch(
         seq_len,
         format_bytes(budget_bytes),
     )
+    least = _least_memory(modes)
+
+    def search_at(degree: int, tiled: bool) -> _Search | None:
+        sizes = _sizes(global_batch_size, num_processes // degree, micro_batch_size)
+        if not sizes:  # a fixed micro-batch that does not divide this degree's rows a process
+            return None
+        rows = global_batch_size // (num_processes // degree)  # a process trains a part of its group's rows
+        settings = (config, layers, seq_len, num_processes, rows, sizes[0], rates, estimate_kwargs, host_bytes)
+        return _Search(*settings, degree, tiled, sizes=sizes)
+
     weighed: list[_Weighed] = []
     # Tiled MLPs (auto) only where no degree fits whole ones: their recomputation costs more than a degree's
     # all-to-alls (a third of the MLP's FLOPs against a fraction of a percent of the step at 128k tokens).
     for tiled in tilings:
+        probed = False
         for degree in degrees:
-            sizes = _sizes(global_batch_size, num_processes // degree, micro_batch_size)
-            if not sizes:  # a fixed micro-batch that does not divide this degree's rows a process
-                continue
-            rows = global_batch_size // (num_processes // degree)  # a process trains a part of its group's rows
-            search = _Search(
-                config,
-                layers,
-                seq_len,
-                num_processes,
-                rows,
-                sizes[0],
-                rates,
-                estimate_kwargs,
-                host_bytes,
-                degree,
-                tiled,
-            )
+            search = search_at(degree, tiled)
             try:
-                weighed.append(_weigh(search, modes, sizes, budget_bytes, fixed is None, _fastest(weighed)))
+                if search is None:
+                    continue
+                if not (probed or micro_batch_size) and weighed and _fastest(weighed) is None:
+                    # Something did not fit: where the largest degree with the least memory does not either,
+                    # nothing will (a process's activations shrink with the degree), and the rest is not weighed.
+                    probed, probe = True, search_at(degrees[-1], tiled)
+                    why = _over_at_least(probe, least, budget_bytes) if probe else None
+                    if why:
+                        weighed.append(_Weighed(probe, [], [], None, why))
+                        break
+                weighed.append(_weigh(search, modes, budget_bytes, fixed is None, _fastest(weighed)))
             except SetupError as err:  # a model whose MLP cannot be tiled (llmtune.tiling), weighed by auto
                 if tiled_mlp != "auto":
                     raise
@@ -173,18 +178,13 @@ class _Weighed:
 
 
 def _weigh(
-    search: _Search,
-    modes: list[Checkpointing],
-    sizes: list[int],
-    budget_bytes: int,
-    auto: bool,
-    best: _Weighed | None,
+    search: _Search, modes: list[Checkpointing], budget_bytes: int, auto: bool, best: _Weighed | None
 ) -> _Weighed:
     """`search`'s candidates timed and, unless its fastest is no faster than the choice so far (`best`), weighed
     against the budget. Offloading weighed by `auto` is traced only when the search reaches it (its memory): its work
     is every layer's plus the copies of what every layer's checkpoints save (`Work.offloadable`), both ways."""
     search.time_uniform(modes, lazy={mode for mode in modes if mode.offload} if auto else set())
-    candidates = sorted((search.timed(mode, m) for mode in modes for m in sizes), key=_search_order)
+    candidates = sorted((search.timed(mode, m) for mode in modes for m in search.sizes), key=_search_order)
     if best is not None and _search_order(candidates[0]) >= _search_order(best.chosen):
         return _Weighed(search, candidates, [], None, "no faster than the choice")
     chosen, weighed = _first_fit(search, candidates, modes, budget_bytes)
@@ -193,6 +193,22 @@ def _weigh(
 
 def _key(c: Candidate) -> tuple[int, Checkpointing]:
     return c.micro_batch_size, c.checkpointing
+
+
+def _least_memory(modes: list[Checkpointing]) -> Checkpointing:
+    """The setting of `modes` that keeps the least: every layer recomputed (offloaded where weighed), else the one."""
+    return next((m for m in reversed(modes) if m.enabled and not m.selective), modes[0])
+
+
+def _over_at_least(search: _Search, least: Checkpointing, budget_bytes: int) -> str | None:
+    """Why even `search`'s smallest micro-batch with the `least` memory does not fit, or None where it does."""
+    est = search.predict(search.m0, least)
+    pinned = est.pinned_host_bytes if least.offload else None
+    if est.reserved_bytes <= budget_bytes and (
+        pinned is None or search.host_bytes is None or pinned <= search.host_bytes
+    ):
+        return None
+    return f"even {least.describe(search.layers)} at micro-batch {search.m0}: {format_bytes(est.reserved_bytes)}"
 
 
 def _fastest(weighed: list[_Weighed]) -> _Weighed | None:
@@ -204,7 +220,7 @@ def _fastest(weighed: list[_Weighed]) -> _Weighed | None:
 def _plan_of(weighed: list[_Weighed], modes: list[Checkpointing], budget_bytes: int, fixed_micro: bool) -> BatchPlan:
     """The plan of the fastest choice; a fixed micro-batch that fits nowhere as given, with the least memory at the
     largest degree weighed; else why nothing fits (`_does_not_fit`)."""
-    least = next((m for m in reversed(modes) if m.enabled and not m.selective), modes[0])  # the least memory
+    least = _least_memory(modes)
     best = _fastest(weighed)
     if best is None and not weighed:
         raise MemoryPlanError("no sequence-parallel degree divides the micro-batch the recipe fixes")
@@ -279,6 +295,7 @@ class _Search:
     host_bytes: int | None = None  # host memory offloading may pin (None: not known)
     degree: int = 1  # processes a row is split across (`per_process`: the rows of each, its group's)
     tiled: bool = False  # the MLPs computed in sequence tiles
+    sizes: list[int] = field(default_factory=list)  # the micro-batches weighed, ascending (`m0` the first)
     estimates: dict[tuple[int, Checkpointing], MemoryEstimate] = field(default_factory=dict)
     uniform: dict[Checkpointing, MemoryEstimate] = field(default_factory=dict)
 
@@ -427,6 +444,7 @@ def _does_not_fit(search: _Search, least: Checkpointing, budget_bytes: int) -> M
     breakdown, and what may help: first what would fit, where a larger degree on more processes would."""
     smallest = search.predict(search.m0, least)
     split = f" ({search.shard} a process: sequence parallel {search.degree})" if search.degree > 1 else ""
+    split += " with MLPs in tiles" if search.tiled else ""
     remedies = _remedies(search.settings, least, search.tiled)
     return MemoryPlanError(
         f"micro-batch {search.m0} x {search.seq_len} tokens{split} is predicted to peak at "
@@ -455,7 +473,8 @@ def _more_processes(search: _Search, least: Checkpointing, budget_bytes: int) ->
         peak = larger.predict(search.m0, least).reserved_bytes
         tried = (
             f"sequence parallel {degree} on {larger.num_processes} processes"
-            f" ({larger.shard} tokens a process; predicted peak {format_bytes(peak)}"
+            f" ({larger.shard} tokens a process{', MLPs in tiles' if search.tiled else ''}; predicted peak"
+            f" {format_bytes(peak)}"
         )
         if peak <= budget_bytes:
             return [f"{tried}, fits)"]
