@@ -21,6 +21,8 @@ Run them from the repository root, as modules (the package is found from there; 
     packed_attention  per-document SDPA against one block-masked SDPA over packed rows, on a CPU
     compile_fusion    the bytes and kernels of a compiled decoder block against its eager ops (the time model's factors)
     hotpath_forecast  the time model's step on the Llama-3.2-1B shape, before and with compile, varlen, loss chunks
+    sequence_parallel per-process peaks of 2-process runs, rows whole and split along the sequence, against the estimate
+    tiled_mlp   a step's peak and time with the decoder MLPs in sequence tiles against whole
     gpu_check   what llmtune promises, measured on a GPU in one command
     gpu_report  the GPU check's markdown report (imported by gpu_check, not run)
 
