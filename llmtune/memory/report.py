@@ -151,9 +151,10 @@ def format_frontier(plan: BatchPlan) -> list[str]:
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    at = f" at sequence parallel {plan.sequence_parallel}" if len(plan.degrees) > 1 else ""
     lines = [
-        f"weighed (time model: {plan.rates_source}; '-': not estimated, ruled out by a setting that did not fit or"
-        " slower than the choice):"
+        f"weighed{at} (time model: {plan.rates_source}; '-': not estimated, ruled out by a setting that did not fit"
+        " or slower than the choice):"
     ]
     for r in rows:
         lines.append(
