@@ -13,6 +13,7 @@ from llmtune.memory.estimate import MemoryEstimate, estimate_all
 from llmtune.memory.plan import BatchPlan, MemoryPlanError, SequenceParallelError
 from llmtune.model import SetupError
 from llmtune.recipe import Checkpointing, checkpointed_layers, checkpointing_of
+from llmtune.tiling import mlp_tiles
 from llmtune.timing import NOMINAL_RATES, Rates, alltoall_seconds
 from llmtune.units import format_bytes
 
@@ -125,10 +126,15 @@ def plan_micro_batch(
     )
     least = _least_memory(modes)
 
+    hidden = int(getattr(config, "get_text_config", lambda: config)().hidden_size)
+
     def search_at(degree: int, tiled: bool) -> _Search | None:
         sizes = _sizes(global_batch_size, num_processes // degree, micro_batch_size)
         if not sizes:  # a fixed micro-batch that does not divide this degree's rows a process
             return None
+        if tiled and tiled_mlp == "auto" and mlp_tiles(seq_len // degree, hidden) == 1:
+            return None  # a row's part in one tile: tiling changes nothing
+
         rows = global_batch_size // (num_processes // degree)  # a process trains a part of its group's rows
         settings = (config, layers, seq_len, num_processes, rows, sizes[0], rates, estimate_kwargs, host_bytes)
         return _Search(*settings, degree, tiled, sizes=sizes)
@@ -445,7 +451,9 @@ def _does_not_fit(search: _Search, least: Checkpointing, budget_bytes: int) -> M
     smallest = search.predict(search.m0, least)
     split = f" ({search.shard} a process: sequence parallel {search.degree})" if search.degree > 1 else ""
     split += " with MLPs in tiles" if search.tiled else ""
-    remedies = _remedies(search.settings, least, search.tiled)
+    hidden = int(search.config.get_text_config().hidden_size)
+    tileable = not search.tiled and mlp_tiles(search.seq_len // search.degree, hidden) > 1
+    remedies = _remedies(search.settings, least, tileable)
     return MemoryPlanError(
         f"micro-batch {search.m0} x {search.seq_len} tokens{split} is predicted to peak at "
         f"{format_bytes(smallest.reserved_bytes)} ({smallest.peak_phase}), over the budget of "
@@ -460,25 +468,22 @@ MORE_PROCESSES = (2, 4, 8)
 
 def _more_processes(search: _Search, least: Checkpointing, budget_bytes: int) -> list[str]:
     """The smallest larger sequence-parallel degree (on as many more processes, the data-parallel ones as they are)
-    at which the smallest micro-batch with the least memory fits, with its peak; the largest tried where none does;
-    nothing where the model's heads allow no larger degree."""
+    at which the smallest micro-batch with the least memory fits, with its peak; nothing where none does (a remedy
+    that does not fit is none) or the model's heads allow no larger degree."""
     from llmtune.sequence import refusal
 
-    tried = None
     for k in MORE_PROCESSES:
         degree = search.degree * k
         if refusal(search.config, degree) is not None:
             continue
         larger = replace(search, num_processes=search.num_processes * k, degree=degree, estimates={}, uniform={})
         peak = larger.predict(search.m0, least).reserved_bytes
-        tried = (
-            f"sequence parallel {degree} on {larger.num_processes} processes"
-            f" ({larger.shard} tokens a process{', MLPs in tiles' if search.tiled else ''}; predicted peak"
-            f" {format_bytes(peak)}"
-        )
         if peak <= budget_bytes:
-            return [f"{tried}, fits)"]
-    return [f"{tried}, still over)"] if tried else []
+            return [
+                f"sequence parallel {degree} on {larger.num_processes} processes ({larger.shard} tokens a process"
+                f"{', MLPs in tiles' if search.tiled else ''}; predicted peak {format_bytes(peak)}, fits)"
+            ]
+    return []
 
 
 def alltoall_bytes(config: Any, tokens: int, degree: int, precision: str, checkpointing: Checkpointing) -> int:
@@ -540,10 +545,11 @@ def _with_estimates(candidates: list[Candidate], weighed: list[Candidate]) -> li
     return [known.get(_key(c), c) for c in candidates]
 
 
-def _remedies(settings: dict[str, Any], checkpointing: Checkpointing, tiled: bool) -> list[str]:
-    """What would lower the peak, leaving out what the run already does."""
+def _remedies(settings: dict[str, Any], checkpointing: Checkpointing, tileable: bool) -> list[str]:
+    """What would lower the peak, leaving out what the run already does (`tileable`: MLPs not tiled, over rows
+    long enough for more than one tile)."""
     remedies = [
-        ("an MLP in sequence tiles (parallel.tiled_mlp: true)", not tiled),
+        ("an MLP in sequence tiles (parallel.tiled_mlp: true)", tileable),
         ("gradient checkpointing", checkpointing.every_n_layers != 1),
         (
             "activation offloading (gradient_checkpointing: {every_n_layers: 1, offload: true})",
