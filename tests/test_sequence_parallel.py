@@ -34,27 +34,34 @@ PROCESSES, DEGREE = 4, 2
 # What the launch alone runs with: its Qwen2's MLPs in sequence tiles (llmtune.tiling; 32 tiles of 64 tokens a shard).
 LAUNCH_ONLY = {"qwen2-lora": ["parallel.tiled_mlp=true"]}
 
-# The launch's entry: every all-to-all's bytes to other processes, and the tokens of every micro-batch split, per run
-# and process.
+# The launch's entry: every all-to-all's bytes to other processes, and the tokens of every micro-batch split, in
+# training and in evaluation, per run and process.
 COUNT_ALLTOALL = """
 import os, json
 from pathlib import Path
 import torch.distributed as dist
+import llmtune.train
 from llmtune import sequence
-sent, tokens, runs = [], [], [0]
-plain_alltoall, plain_shard = dist.all_to_all_single, sequence.shard_batch
+record, phase, runs = {"train": ([], []), "eval": ([], [])}, ["train"], [0]
+plain_alltoall, plain_shard, plain_evaluate = dist.all_to_all_single, sequence.shard_batch, llmtune.train.evaluate
 def alltoall(output, input, *args, group=None, **kwargs):
     size = dist.get_world_size(group)
-    sent.append(input.numel() * input.element_size() * (size - 1) // size)
+    record[phase[0]][0].append(input.numel() * input.element_size() * (size - 1) // size)
     return plain_alltoall(output, input, *args, group=group, **kwargs)
 def shard(batch, group):
-    tokens.append(batch["input_ids"].numel())
+    record[phase[0]][1].append(batch["input_ids"].numel())
     return plain_shard(batch, group)
-dist.all_to_all_single, sequence.shard_batch = alltoall, shard
+def evaluate(run):
+    phase[0] = "eval"
+    try:
+        return plain_evaluate(run)
+    finally:
+        phase[0] = "train"
+dist.all_to_all_single, sequence.shard_batch, llmtune.train.evaluate = alltoall, shard, evaluate
 def after_run(recipe):
-    record = {"sent": sent, "tokens": tokens}
     Path(recipe.output_dir, f"alltoall-{runs[0]}-" + os.environ["RANK"]).write_text(json.dumps(record))
-    sent.clear(), tokens.clear()
+    for sent, tokens in record.values():
+        sent.clear(), tokens.clear()
     runs[0] += 1
 """
 
@@ -117,8 +124,8 @@ def recipes(tmp_path_factory) -> dict[str, tuple[Path, list[str]]]:
     pairs = write_pairs(root / "pairs.jsonl", n=700)
     grpo = write_grpo_recipe(root / "grpo", llama)
     return {
-        "sft": (recipe(root / "sft", llama, data), []),
-        "sft-resumed": (recipe(root / "sft", llama, data), ["training.max_steps=3"]),
+        "sft": (recipe(root / "sft", llama, data), ["data.eval_fraction=0.1"]),
+        "sft-resumed": (recipe(root / "sft", llama, data), ["data.eval_fraction=0.1", "training.max_steps=3"]),
         "qwen2-lora": (recipe(root / "qwen2-lora", qwen, data), ["peft.method=lora", "peft.rank=4"]),
         "dpo": (recipe(root / "dpo", llama, pairs, "preference", objective="dpo"), []),
         "grpo": (grpo, ["training.max_steps=2"]),
@@ -179,15 +186,21 @@ def test_sequence_parallel_trains_what_one_process_trains(name, launched, refere
         assert weights[key].float().sub(tensor.float()).abs().max() < 1e-4, key
 
 
-def test_the_resume_continues_from_the_newest_checkpoint(launched):
-    """The second sft run found step 2 in the folder and trained step 3 only (its losses are compared above)."""
+def test_the_resume_continues_from_the_newest_checkpoint_and_evaluates_as_one_process(launched, reference):
+    """The second sft run found step 2 in the folder and trained step 3 only (its losses are compared above); its
+    evaluation at the end, on split rows too, gives one process's eval loss."""
     log = [json.loads(line) for line in (launched / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "loss" in r] == [1, 2, 3]
+    got, want = (
+        json.loads((run / "run_summary.json").read_text())["eval_loss"] for run in (launched / "sft", reference["sft"])
+    )
+    assert got == pytest.approx(want, abs=1e-5) and want > 0
 
 
 def test_the_alltoall_bytes_equal_their_closed_form(launched, recipes):
     """Per micro-batch and layer: q, k, v and the attention output in forward, again in the checkpointed layer's
-    recomputed forward, and their gradients in backward: 3 x `alltoall_bytes_per_layer`, on every process."""
+    recomputed forward, and their gradients in backward: 3 x `alltoall_bytes_per_layer`, on every process; an
+    evaluation's forward, once."""
     from transformers import AutoConfig
 
     from llmtune.sequence import alltoall_bytes_per_layer
@@ -196,7 +209,8 @@ def test_the_alltoall_bytes_equal_their_closed_form(launched, recipes):
     layers = config.num_hidden_layers
     for rank in range(PROCESSES):
         record = json.loads((launched / "sft" / f"alltoall-0-{rank}").read_text())
-        assert len(record["tokens"]) == 2  # two steps of one micro-batch (a packed row may be short of ROW)
-        assert len(record["sent"]) == len(record["tokens"]) * layers * 3 * 4  # four tensors, three passes
-        want = sum(3 * layers * alltoall_bytes_per_layer(config, n, DEGREE, dtype_bytes=4) for n in record["tokens"])
-        assert sum(record["sent"]) == want
+        for phase, passes, micro_batches in (("train", 3, 2), ("eval", 1, 1)):  # two steps, one eval batch
+            sent, tokens = record[phase]  # a packed row may be short of ROW: the tokens each time
+            assert len(tokens) == micro_batches
+            assert len(sent) == micro_batches * layers * passes * 4  # four tensors a pass
+            assert sum(sent) == sum(passes * layers * alltoall_bytes_per_layer(config, n, DEGREE, 4) for n in tokens)
