@@ -16,9 +16,10 @@ from llmtune.memory.trace import Trace, trace_step
 
 log = logging.getLogger(__name__)
 
-# Traces by (config, layers, settings, period); the cache starts afresh when it holds _MAX_TRACES.
+# Traces by (config, layers, settings, period); the cache starts afresh when it holds _MAX_TRACES (a few KiB each):
+# planning every engine at every sequence-parallel degree and tiling asks for more than 64, which thrashed.
 _TRACES: dict[tuple, Trace] = {}
-_MAX_TRACES = 64
+_MAX_TRACES = 512
 # Why forked traces failed in this process, once they have (then every trace runs in the process itself).
 _FORK_REFUSED: list[str] = []
 # How long the forked traces may take before they are given up and run here (each is seconds on <= 4 layers): a

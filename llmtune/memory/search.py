@@ -115,6 +115,8 @@ def plan_micro_batch(
     offload = estimate_kwargs.get("device", "cuda") == "cuda"
     modes = checkpointing_choices(layers, offload) if fixed is None else [fixed]
     degrees = sequence_degrees(config, num_processes, sequence_parallel)
+    if sequence_parallel == "auto" and estimate_kwargs.get("device", "cuda") == "cuda":
+        degrees = [d for d in degrees if d == 1 or seq_len // d >= GPU_MIN_SHARD_TOKENS]
     tilings = [False, True] if tiled_mlp == "auto" else [bool(tiled_mlp)]
     rates = rates or NOMINAL_RATES
     log.info(
@@ -166,6 +168,8 @@ def plan_micro_batch(
             best = _fastest(weighed)
             if best is not None and _key(best.chosen) == _key(best.candidates[0]):
                 break  # nothing was traded for memory: larger degrees only add all-to-alls to the same work
+            if degree == 1 and not _one_row_binds(weighed[-1]):
+                break  # split rows hold what a fraction of a micro-batch would: only where one row does not fit
         if _fastest(weighed) is not None:
             break
     return _plan_of(weighed, modes, budget_bytes, micro_batch_size is not None)
@@ -181,6 +185,17 @@ class _Weighed:
     weighed: list[Candidate]
     chosen: Candidate | None
     why: str = ""
+
+
+def _one_row_binds(w: _Weighed) -> bool:
+    """Whether one whole row a micro-batch is what memory refuses at degree 1: nothing fit, the choice recomputes at
+    micro-batch 1, or a micro-batch-1 setting did not fit. Otherwise a degree d holding d rows' parts a micro-batch
+    keeps what degree 1 keeps at micro-batch 1 (which then fits, no slower than the choice) plus all-to-alls, and
+    fewer rows than d (a fraction of a micro-batch) buy memory nothing needs."""
+    chosen = w.chosen
+    if chosen is None or (chosen.micro_batch_size == 1 and chosen.checkpointing != Checkpointing(0)):
+        return True
+    return any(c.micro_batch_size == 1 and not c.fits for c in w.weighed)
 
 
 def _weigh(
@@ -263,6 +278,13 @@ def _lost(w: _Weighed, chosen: bool, budget_bytes: int) -> str:
     if chosen:
         return ""
     return "fits, slower than the choice" if w.chosen else f"over the budget of {format_bytes(budget_bytes)}"
+
+
+# auto on a GPU splits a row no finer than this many tokens a process: a part's matmuls (as many rows as its tokens at
+# micro-batch 1) would leave the tensor cores underfed, which the time model, charging FLOPs at one rate, does not see;
+# the loss's chunks stop at the same size for the same reason (llmtune.loss.GPU_MIN_CHUNK_ROWS). A fixed degree splits
+# as asked.
+GPU_MIN_SHARD_TOKENS = 1024
 
 
 def sequence_degrees(config: Any, num_processes: int, requested: int | str) -> list[int]:
