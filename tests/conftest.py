@@ -13,8 +13,8 @@ import pytest
 # Long one-process modules that `make test` runs in its second lane, with the real-model tests (`-m "real or
 # beside"`): the first lane holds the multi-process launches, which want both cores once the floor suite (CI) is done;
 # alone it ran ~15 min while the second lane ended after ~6 (CI, 2 cores). The sequence-parallel launch (~50 s) took
-# test_resilience and test_out_of_memory (~95 s of one-process runs) to the second lane, and test_train (~50 s): the
-# two lanes then took 13 min 12 s and 11 min 8 s (CI, fresh clone at 347c765).
+# test_resilience and test_out_of_memory (~95 s of one-process runs) to the second lane: the two lanes then took
+# 13 min 12 s and 11 min 8 s (CI, fresh clone at 347c765; with test_train moved too, 13 min 36 s and 12 min 11 s).
 BESIDE = {
     "tests/test_gpu_check.py",
     "tests/test_bench.py",
@@ -24,7 +24,6 @@ BESIDE = {
     "tests/test_estimate.py",
     "tests/test_resilience.py",
     "tests/test_out_of_memory.py",
-    "tests/test_train.py",
 }
 
 

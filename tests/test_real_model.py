@@ -28,7 +28,7 @@ from llmtune.train import build, evaluate, fit
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2-chat-lora.yaml"
 N_TRAIN, N_EVAL = 2000, 64  # the recipe's (scripts/build_real_model.py)
-STEPS = 20
+STEPS = 12
 MAX_NEW_TOKENS = 64
 END, START = "<|im_end|>", "<|im_start|>"
 

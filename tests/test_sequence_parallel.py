@@ -126,9 +126,13 @@ def recipes(tmp_path_factory) -> dict[str, tuple[Path, list[str]]]:
     return {
         "sft": (recipe(root / "sft", llama, data), ["data.eval_fraction=0.1"]),
         "sft-resumed": (recipe(root / "sft", llama, data), ["data.eval_fraction=0.1", "training.max_steps=3"]),
-        "qwen2-lora": (recipe(root / "qwen2-lora", qwen, data), ["peft.method=lora", "peft.rank=4"]),
-        "dpo": (recipe(root / "dpo", llama, pairs, "preference", objective="dpo"), []),
-        "grpo": (grpo, ["training.max_steps=2"]),
+        # One step each: its final weights hold every gradient of the step.
+        "qwen2-lora": (
+            recipe(root / "qwen2-lora", qwen, data),
+            ["peft.method=lora", "peft.rank=4", "training.max_steps=1"],
+        ),
+        "dpo": (recipe(root / "dpo", llama, pairs, "preference", objective="dpo"), ["training.max_steps=1"]),
+        "grpo": (grpo, ["training.max_steps=1"]),
     }
 
 
