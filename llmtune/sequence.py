@@ -31,11 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface, PretrainedConfig
 
 from llmtune.attention import autocast_inputs, varlen_attention, varlen_refusal
-from llmtune.data.batch import with_documents
+from llmtune.data.batch import next_tokens, with_documents
 from llmtune.data.render import IGNORE
 
 ULYSSES = "llmtune_ulysses"
@@ -64,27 +63,29 @@ def current() -> SequenceGroup:
     return _current
 
 
-@contextlib.contextmanager
-def running_in(group: SequenceGroup) -> Iterator[None]:
-    """Attention and losses run as in `group` (the training loop's, for the run's life; a trace's, for the trace)."""
-    global _current
-    before, _current = _current, group
-    try:
-        yield
-    finally:
-        _current = before
-
-
-def planned_degree(degree: int) -> contextlib.AbstractContextManager[None]:
-    """As on `degree` processes, without a process group: each all-to-all is a fresh buffer of its output's shape,
-    so a fake-tensor trace (llmtune.memory) allocates what a run's process does."""
-    return running_in(SequenceGroup(degree))
-
-
 def use(group: SequenceGroup) -> None:
     """Attention and losses run in `group` from now on: a run's, set once where it is built (llmtune.train)."""
     global _current
     _current = group
+
+
+@contextlib.contextmanager
+def planned_degree(degree: int) -> Iterator[None]:
+    """As on `degree` processes, without a process group: each all-to-all is a fresh buffer of its output's shape,
+    so a fake-tensor trace (llmtune.memory) allocates what a run's process does."""
+    before = _current
+    use(SequenceGroup(degree))
+    try:
+        yield
+    finally:
+        use(before)
+
+
+def rows_padded_to(degree: int, length: int | None = None) -> int | None:
+    """The multiple a collate pads rows to: `length` (a compiled run's one shape) and the degree, as `shard_batch`
+    splits each row in `degree` equal parts; None where neither asks for one."""
+    multiple = math.lcm(length or 1, degree)
+    return multiple if multiple > 1 else None
 
 
 def mesh_group(device_type: str, rank: int, world: int, degree: int) -> SequenceGroup:
@@ -277,8 +278,8 @@ def shard_batch(batch: dict[str, Any], group: SequenceGroup) -> dict[str, Any]:
     part = slice(group.rank * length // group.degree, (group.rank + 1) * length // group.degree)
     out = {k: v for k, v in batch.items() if k not in ("labels", "segment_ids", "loss_rows")}
     out["input_ids"], out["position_ids"] = batch["input_ids"][:, part], batch["position_ids"][:, part]
-    out["shift_labels"] = F.pad(batch["labels"], (0, 1), value=IGNORE)[:, 1:][:, part].contiguous()
+    out["shift_labels"] = next_tokens(batch, "labels", IGNORE)[:, part].contiguous()
     if "segment_ids" in batch:
-        out["shift_segment_ids"] = F.pad(batch["segment_ids"], (0, 1), value=-1)[:, 1:][:, part].contiguous()
+        out["shift_segment_ids"] = next_tokens(batch, "segment_ids", -1)[:, part].contiguous()
     out["loss_rows"] = trained_rows(out["shift_labels"].reshape(-1))
     return out

@@ -375,12 +375,11 @@ def collate_for(run: Run, examples: list[dict]) -> dict[str, torch.Tensor]:
     # of ~95% costs little), so every micro-batch has the shape the memory plan assumed. Split along the sequence,
     # rows are padded to a multiple of the group's processes.
     static = run.data.packed and run.recipe.training.compiles(run.accelerator.device.type)
-    multiple = math.lcm(run.recipe.data.max_length if static else 1, run.sequence.degree)
     return run.objective.collate(
         examples,
         pad_token_id=run.tokenizer.pad_token_id,
         packed=run.data.packed,
-        pad_to_multiple_of=multiple if multiple > 1 else None,
+        pad_to_multiple_of=sequence.rows_padded_to(run.sequence.degree, run.recipe.data.max_length if static else None),
     )
 
 

@@ -28,13 +28,12 @@ def micro_batch(objective: Objective, s: Settings) -> dict[str, torch.Tensor]:
     pads its rows to a multiple of the degree and shards them (`llmtune.sequence.shard_batch`: all shards are the
     same size). Real tensors, made outside the trace: a collate reads its examples' values (where sequences start),
     which fake tensors do not have."""
-    from llmtune.sequence import SequenceGroup, shard_batch
+    from llmtune.sequence import SequenceGroup, rows_padded_to, shard_batch
 
     packed = s.layout == "packed"
     examples = [objective.longest_example(s.seq_len, packed)] * s.micro_batch_size
     degree = s.sequence_parallel
-    multiple = degree if degree > 1 else None
-    batch = objective.collate(examples, pad_token_id=0, packed=packed, pad_to_multiple_of=multiple)
+    batch = objective.collate(examples, pad_token_id=0, packed=packed, pad_to_multiple_of=rows_padded_to(degree))
     return shard_batch(batch, SequenceGroup(degree))
 
 

@@ -184,7 +184,7 @@ def _register_states(
     for v in state_tensors:
         counter.register(v, "optimizer_states")
     if "loss_rows" in batch:  # its length is the data's: the trained share of the rows (`TraceCounter.trained_rows`)
-        batch["loss_rows"] = counter.trained_rows(batch["labels"] if "labels" in batch else batch["shift_labels"])
+        batch["loss_rows"] = counter.trained_rows(batch["input_ids"])  # as many positions as the labels
     for v in batch.values():
         if isinstance(v, torch.Tensor):
             counter.register(v, "inputs")

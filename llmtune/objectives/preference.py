@@ -77,7 +77,7 @@ class Preference(FromData, Objective):
 
         def collate_rows(examples: list[dict]) -> dict[str, Any]:
             group = sequence.current()  # split along the sequence, this process's part of each row
-            multiple = group.degree if group.degree > 1 else None
+            multiple = sequence.rows_padded_to(group.degree)
             batch = preference.collate_pairs(
                 examples, pad_token_id=context.pad_token_id, packed=data.packed, pad_to_multiple_of=multiple
             )
