@@ -205,6 +205,7 @@ def _ranked(model: str, method: str, gpu: str, n: int, seq_len: int = 2048) -> l
     return plan_engines(recipe, config, device="cuda", num_processes=n, budget_bytes=target.budget_bytes, gpu=gpu)
 
 
+@pytest.mark.slow
 def test_the_planner_shards_what_ddp_cannot_hold():
     full = _ranked("llama-3.2-3b", "full", "l4", 4, seq_len=512)
     by_engine = {c.sharding: c for c in full}
@@ -212,6 +213,7 @@ def test_the_planner_shards_what_ddp_cannot_hold():
     assert full[0].sharding in ("fsdp", "zero3") and full[0].plan.fits
 
 
+@pytest.mark.slow
 def test_train_advises_a_multi_gpu_launch_whose_engine_the_planner_would_not_take():
     """`plan_run`'s advice (`engine_advice`): a full fine-tune DDP cannot hold, launched with DDP on 4 GPUs, is told
     the sharded engine the planner ranks first; the planner's own engine, one process or CPUs get no advice."""
@@ -230,6 +232,7 @@ def test_train_advises_a_multi_gpu_launch_whose_engine_the_planner_would_not_tak
     assert advice("none", device="cpu") is None and advice("none", n=1) is None
 
 
+@pytest.mark.slow
 def test_on_pcie_cards_fsdp2_pays_for_gathering_a_lora_base_and_amortises_it_over_a_larger_micro_batch():
     lora = _ranked("llama-3.2-3b", "lora", "l40s", 4, seq_len=512)
     ddp, fsdp = ({c.sharding: c for c in lora}[s].plan for s in ("none", "fsdp"))
@@ -241,6 +244,7 @@ def test_on_pcie_cards_fsdp2_pays_for_gathering_a_lora_base_and_amortises_it_ove
     assert fsdp.micro_batch_size > ddp.micro_batch_size
 
 
+@pytest.mark.slow
 def test_estimate_ranks_the_engines_and_plans_the_first(capsys):
     assert main(["estimate", "--model", "qwen2.5-0.5b", "--full", "--gpu", "l4", "--num-processes", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

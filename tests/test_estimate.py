@@ -67,6 +67,7 @@ def test_estimate_a_model_folder_for_a_card_without_warnings(tiny_model_dir, cap
     assert out["micro_batch_size"] == 32 and out["budget_bytes"] < GPUS["l4"]
 
 
+@pytest.mark.slow
 def test_estimate_a_model_with_bf16_adapters_and_refuse_them_where_nothing_is_bf16_true(tiny_model_dir, capsys):
     """--adapter-dtype (the recipe's peft.adapter_dtype) reaches the plan; without adapters, or on a CPU (no
     bf16-true there), it is refused with exit status 2 and the reason."""
@@ -88,6 +89,7 @@ def test_estimate_without_a_device_plans_for_this_machines_cpu(capsys, tiny_mode
     assert "budget: this machine's CPU (no GPU here" in out and "live tensors only" in out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
 def test_estimate_quickstart_recipe_on_a_machine_without_gpu(capsys):
     """It used to stop with "no GPU here to read free memory from"."""
@@ -95,6 +97,7 @@ def test_estimate_quickstart_recipe_on_a_machine_without_gpu(capsys):
     assert "this machine's CPU" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_fixed_micro_batch_is_estimated_as_given_with_whether_it_fits(capsys):
     """`--device-memory` used to replace the recipe's micro-batch with the largest that fits."""
     recipe = str(ROOT / "recipes" / "quickstart.yaml")
@@ -107,6 +110,7 @@ def test_a_fixed_micro_batch_is_estimated_as_given_with_whether_it_fits(capsys):
     assert "micro-batch 1 x" in out and "DOES NOT FIT" in out
 
 
+@pytest.mark.slow
 def test_the_recipes_adapter_dtype_reaches_the_estimate(tiny_recipe, capsys):
     """`llmtune estimate --recipe` plans the adapters in the dtype training gives them (`peft.adapter_dtype`):
     bf16 adapters keep bf16 inputs and states, so the same step peaks lower, and AdamW is BF16AdamW."""

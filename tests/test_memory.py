@@ -222,13 +222,22 @@ def test_estimate_matches_max_memory_allocated_on_cuda(precision: str, checkpoin
     assert abs(pred / meas - 1) <= 0.05, f"predicted {format_bytes(pred)} vs measured {format_bytes(meas)}"
 
 
+# The LoRA cases (~3 s each at the floor, one core) are slow: the floor suite keeps the other two.
 @pytest.mark.parametrize(
     ("arch", "kw"),
     [
         ("llama", dict(precision="bf16", gradient_checkpointing=True, device="cpu")),
-        ("llama", dict(precision="bf16", gradient_checkpointing=True, device="cuda", lora=LoraSpec(rank=4))),
+        pytest.param(
+            "llama",
+            dict(precision="bf16", gradient_checkpointing=True, device="cuda", lora=LoraSpec(rank=4)),
+            marks=pytest.mark.slow,
+        ),
         ("gpt2", dict(precision="fp32", gradient_checkpointing=False, device="cuda", loss="chunked", chunk_size=32)),
-        ("qwen2", dict(precision="fp32", gradient_checkpointing=True, device="cuda", lora=LoraSpec(rank=4))),
+        pytest.param(
+            "qwen2",
+            dict(precision="fp32", gradient_checkpointing=True, device="cuda", lora=LoraSpec(rank=4)),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["llama-cpu", "llama-lora-cuda", "gpt2-chunked-cuda", "qwen2-lora-cuda"],
 )

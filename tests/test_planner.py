@@ -95,6 +95,7 @@ def stuck_forever(*args, **kwargs):
     time.sleep(3600)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="traces fork only on 2 or more cores")
 def test_forked_traces_that_never_answer_are_run_in_this_process(monkeypatch):
     """A worker forked while another thread held a lock waits forever (the floor suite hung there once): the traces
@@ -173,6 +174,7 @@ def test_the_traced_ops_are_the_ops_a_real_step_dispatches(spec):
     assert traced == pytest.approx(real, rel=0.05)
 
 
+@pytest.mark.slow
 def test_auto_takes_no_checkpointing_when_it_fits_and_the_fastest_that_fits_when_not():
     cfg = tiny_config("llama", layers=4)
     common = dict(global_batch_size=8, gradient_checkpointing="auto", rates=RATES, **KW)
@@ -219,6 +221,7 @@ def test_offloading_takes_every_layers_saved_inputs_off_the_gpu_and_pays_the_cop
     assert copies == pytest.approx(2 * layers * inputs / rates.host_bytes_per_s)
 
 
+@pytest.mark.slow
 def test_the_planner_offloads_only_on_a_gpu_and_only_when_nothing_else_fits():
     cfg = tiny_config("llama", layers=8)
     assert OFFLOADED in checkpointing_choices(8, offload=True) and OFFLOADED not in checkpointing_choices(8)
@@ -248,6 +251,7 @@ def test_the_planner_offloads_only_on_a_gpu_and_only_when_nothing_else_fits():
     assert not any(c["offload"] for c in cpu.frontier)  # a CPU's activations are in host memory already
 
 
+@pytest.mark.slow
 def test_offloading_pins_host_memory_in_powers_of_two_and_the_plan_keeps_within_the_host():
     """save_on_cpu copies each checkpointed layer's saved input (the fp32 residual stream) into pinned memory, which
     PyTorch's CachingHostAllocator hands out rounded up to a power of two (`PowerOf2Ceil`) and keeps cached: 8 layers
@@ -469,6 +473,7 @@ def test_the_all_to_all_bytes_the_time_model_charges_are_those_a_traced_step_sen
     assert sum(sent) == alltoall_bytes(cfg, 2 * 512, degree, "bf16", checkpointing) > 0
 
 
+@pytest.mark.slow
 def test_auto_splits_rows_across_processes_only_where_whole_rows_do_not_fit():
     """On 2 processes: a roomy budget keeps whole rows (and weighs no other degree); a budget under whole rows' peak but
     over a half row's splits them across both processes, the global batch kept (micro x accumulation x 1)."""

@@ -27,6 +27,7 @@ def drift_after(
     return float((p.detach().float() - w0.to(dtype).float()).mean())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_bf16_weights_keep_small_updates_with_stochastic_rounding(device):
     expected = drift_after(torch.optim.AdamW, torch.float32, device=device)
