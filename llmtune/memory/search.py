@@ -111,11 +111,11 @@ def plan_micro_batch(
     layers = int(getattr(config, "get_text_config", lambda: config)().num_hidden_layers)
     requested = estimate_kwargs.pop("gradient_checkpointing", "auto")
     fixed = None if requested is None else checkpointing_of(requested)
+    on_gpu = estimate_kwargs.get("device", "cuda") == "cuda"
     # Offloading copies to host memory: on a CPU that is the memory it already uses.
-    offload = estimate_kwargs.get("device", "cuda") == "cuda"
-    modes = checkpointing_choices(layers, offload) if fixed is None else [fixed]
+    modes = checkpointing_choices(layers, offload=on_gpu) if fixed is None else [fixed]
     degrees = sequence_degrees(config, num_processes, sequence_parallel)
-    if sequence_parallel == "auto" and estimate_kwargs.get("device", "cuda") == "cuda":
+    if sequence_parallel == "auto" and on_gpu:
         degrees = [d for d in degrees if d == 1 or seq_len // d >= GPU_MIN_SHARD_TOKENS]
     tilings = [False, True] if tiled_mlp == "auto" else [bool(tiled_mlp)]
     rates = rates or NOMINAL_RATES
