@@ -793,7 +793,7 @@ def section_vs_trl(ctx: Ctx, out: dict) -> None:
 def section_optimizer(ctx: Ctx, out: dict) -> None:
     """BF16AdamW (compiled: one kernel a parameter) against torch's fused AdamW on Llama-3.2-1B's parameter shapes at
     half their widths (~300M parameters; `python -m benchmarks.optimizer`): step time, as a ratio."""
-    result = optimizer.main(["--device", "cuda", "--scale", "2", "--rounds", "10"])
+    result = optimizer.main(["--device", "cuda", "--scales", "2", "--rounds", "10"])["by_scale"]["2"]
     out.update(result)
     ratio = result["vs_torch_fused"]["bf16adamw_compiled"]
     out["ok"] = not result["compiled_fell_back_to_eager"] and ratio <= TARGETS["bf16adamw_vs_torch_fused"]

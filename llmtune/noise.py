@@ -3,7 +3,8 @@ is drawn (an element's index, a row's seed and step), the same on every device, 
 
 Used where noise must not depend on a generator's history: BF16AdamW's rounding (the same on DDP replicas, whole
 or chunked) and GRPO's sampling (a completion the same whatever the rest of its batch), drawn on the device that
-uses it with no host copy.
+uses it with no host copy. Two strengths: `hashed_bits`, independent-looking bits for every element (sampling), and
+`fast_bits`, a third of the work, uniform per element under a random key (rounding).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 # tensors (the width every backend vectorises): multiplication wraps, and the right shifts are masked into logical
 # ones. 0x846CA68B as a signed int32.
 _MUL1, _MUL2 = 0x7FEB352D, 0x846CA68B - 2**32
+# 2^32 / the golden ratio, odd (0x9E3779B9 as a signed int32): successive multiples spread evenly over 2^32.
+_GOLDEN = 0x9E3779B9 - 2**32
 
 
 def mix(x: torch.Tensor) -> torch.Tensor:
@@ -26,6 +29,19 @@ def mix(x: torch.Tensor) -> torch.Tensor:
 def hashed_bits(counter: torch.Tensor, key0: torch.Tensor | int, key1: torch.Tensor | int) -> torch.Tensor:
     """32 random bits per element of int32 `counter` under the key (key0, key1) (int32, broadcast)."""
     return mix(mix(counter ^ key0) ^ key1)
+
+
+def fast_bits(counter: torch.Tensor, key: torch.Tensor | int) -> torch.Tensor:
+    """32 bits per element of int32 `counter` under `key`: (counter ^ key) x an odd constant, its high half xored into
+    its low, x another odd constant. Every step is a bijection of 32-bit words, so under a uniformly random key each
+    element's word is exactly uniform: its two halves are independent 16-bit draws, independent of any other key's.
+    The second multiply decorrelates neighbouring elements, except in the lowest bits of the low half (a product's low
+    bits depend only on its factors' low bits: BF16AdamW's noise folds the high half in; tests/test_precision.py checks
+    every pair of bits). One round, not lowbias32's full avalanche: enough for stochastic rounding, whose unbiasedness
+    is per element and key, not for sampling. ~6 int ops, where `hashed_bits` takes ~25: on a CPU BF16AdamW's step is
+    bound by this arithmetic."""
+    x = (counter ^ key) * _GOLDEN
+    return (x ^ ((x >> 16) & 0xFFFF)) * _MUL1
 
 
 def uniform(bits: torch.Tensor) -> torch.Tensor:

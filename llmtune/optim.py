@@ -11,18 +11,21 @@ bf16 (the memory of bf16-true stays 8 bytes per parameter before activations) an
 
 The whole update of a parameter (moments, weight, the three roundings and their noise) is one function of
 tensors, `adamw_bf16_`, which torch.compile fuses into one kernel that reads each bf16 tensor once and keeps
-the fp32 values in registers (Triton on CUDA, C++ on a CPU with a compiler): one launch per parameter instead
-of ~15 kernels and 3 random passes per 4M-element chunk (benchmarks/optimizer.py). Where compiling is off or
-fails (no C++ compiler, an active dispatch mode such as the memory tracker's or the estimator's fake tensors)
+the fp32 values in registers (Triton on CUDA, C++ on a CPU with a compiler, its bitcasts kept in registers by
+llmtune.inductor_bitcast): one launch per parameter instead of ~15 kernels and 3 random passes per 4M-element
+chunk. On a CPU that step takes 1.2x torch's fused AdamW on Llama-3.2-1B's shapes at half width (1.9x at an eighth,
+where a fixed ~40-60 us per parameter weighs more), the eager one 25-35x (benchmarks/optimizer.py). Where compiling is
+off or fails (no C++ compiler, an active dispatch mode such as the memory tracker's or the estimator's fake tensors)
 the same function runs eagerly, chunk by chunk, so its fp32 temporaries stay ~6 x 16 MiB.
 
-The rounding noise is counter-based (llmtune.noise): a hash of each element's index under a key from (seed,
-parameter, step, shard), never the global RNG. DDP replicas draw the global RNG differently (dropout on
+The rounding noise is counter-based (llmtune.noise.fast_bits): a function of each element's index under a key
+from (seed, parameter, step, shard), never the global RNG. DDP replicas draw the global RNG differently (dropout on
 differently padded batches, a rank-0-only eval), and noise taken from it would make replicas with identical
 gradients round differently and drift apart with nothing to bring them back. Derived from the step, the noise
 also needs no state of its own in a checkpoint: a resumed run draws what the uninterrupted run would have drawn.
 And as a function of the element's index it is the same whether the kernel runs whole or in chunks, compiled or
-eager.
+eager. Under each step's fresh key an element's three draws are exactly uniform and independent of each other and
+of every other step's, which is what unbiased rounding needs, and neighbouring elements' draws are uncorrelated.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from llmtune.noise import hashed_bits, mix
+from llmtune.inductor_bitcast import vector_bitcasts
+from llmtune.noise import fast_bits
 from llmtune.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -71,22 +75,33 @@ def adamw_bf16_(
     offset: int = 0,
 ) -> None:
     """One AdamW update in fp32 of flat `w` (weights), `m`, `v` (moments) from `g`, written back stochastically
-    rounded where they are bf16, exactly where they are fp32. `hyper`: [step size, bias correction of sqrt(v),
+    rounded where they are bf16, exactly where they are fp32. `hyper`: [step size, 1 / bias correction of sqrt(v),
     weight decay factor, eps, beta1, beta2] (fp32, on w's device: values, not constants, so a compiled kernel
-    serves every step); `key`: 2 int32 noise keys; `offset`: the index of w[0] in its parameter (eager chunks)."""
-    step_size, root_correction, decay, eps, beta1, beta2 = hyper.unbind()
+    serves every step); `key`: 2 int32 noise keys; `offset`: the index of w[0] in its parameter (eager chunks).
+    Multiply-adds and one division per element: on a CPU the step is bound by its arithmetic (lerp's two formulas
+    and a second division cost ~10%)."""
+    step_size, inverse_root_correction, decay, eps, beta1, beta2 = hyper.unbind()
     g32 = g.float()
-    m32 = m.float().lerp(g32, 1 - beta1)
-    v32 = v.float() * beta2 + (1 - beta2) * g32 * g32
-    w32 = w.float() * decay - step_size * m32 / (v32.sqrt() / root_correction + eps)
+    m32 = m.float() * beta1 + g32 * (1 - beta1)
+    v32 = v.float() * beta2 + g32 * g32 * (1 - beta2)
+    w32 = w.float() * decay - step_size * m32 / (v32.sqrt() * inverse_root_correction + eps)
     if w.dtype != torch.bfloat16:  # fp32 parameters (adapters): torch.optim.AdamW's update, no rounding
         w.copy_(w32), m.copy_(m32), v.copy_(v32)
         return
     index = torch.arange(offset, offset + w.numel(), device=w.device, dtype=torch.int32)
-    bits = hashed_bits(index, key[0], key[1])  # 32 bits: the weight's noise and the first moment's
-    w.copy_(round_bits(w32, bits & 0xFFFF))
-    m.copy_(round_bits(m32, (bits >> 16) & 0xFFFF))
-    v.copy_(round_bits(v32, mix(bits ^ 0x5BD1E995) & 0xFFFF))
+    w_noise, m_noise, v_noise = rounding_noise(index, key)
+    w.copy_(round_bits(w32, w_noise))
+    m.copy_(round_bits(m32, m_noise))
+    v.copy_(round_bits(v32, v_noise))
+
+
+def rounding_noise(index: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three 16-bit draws (int32 in [0, 2^16)) for each int32 element `index` under the 2 keys `key`: the weight's,
+    the first moment's, the second's: from two words (llmtune.noise.fast_bits) x and y, x's halves xored, x's high
+    half, y's high half. A product's low bits depend only on its factors' low bits, so x's low half alone would tie
+    elements 2^16 apart (its lowest bit always differs between them); xored with the high half it does not."""
+    x, y = fast_bits(index, key[0]), fast_bits(index, key[1])
+    return (x ^ (x >> 16)) & 0xFFFF, (x >> 16) & 0xFFFF, (y >> 16) & 0xFFFF
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -136,9 +151,10 @@ class FusedStep:
             return _eager_step(w, g, m, v, hyper, key)
         if self.compiled is None:
             # emulate_precision_casts: the fp32 -> bf16 casts stay casts inside the kernel, as in eager.
-            self.compiled = torch.compile(
-                adamw_bf16_, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
-            )
+            # cpp.dynamic_threads: a CPU kernel's threads chosen per call; without it inductor decides from the first
+            # parameter's size, and a 256-element norm weight compiled first left a 4M-element embedding on one core.
+            options = {"emulate_precision_casts": True, "cpp.dynamic_threads": True}
+            self.compiled = torch.compile(adamw_bf16_, dynamic=True, fullgraph=True, options=options)
         try:
             self.compiled(w, g, m, v, hyper, key)
         except Exception as err:  # no C++ compiler, no Triton, an unsupported backend: the eager step is exact
@@ -210,7 +226,7 @@ class BF16AdamW(torch.optim.Optimizer):
             state["step"] += 1
             t = state["step"]
             rows.append(
-                [group["lr"] / (1 - beta1**t), (1 - beta2**t) ** 0.5, 1 - group["lr"] * group["weight_decay"],
+                [group["lr"] / (1 - beta1**t), (1 - beta2**t) ** -0.5, 1 - group["lr"] * group["weight_decay"],
                  group["eps"], beta1, beta2]
             )  # fmt: skip
             keys.append(noise_key(group["seed"], index, t, _shard_index(p)))
@@ -218,11 +234,12 @@ class BF16AdamW(torch.optim.Optimizer):
         hyper = torch.tensor(rows, dtype=torch.float32).to(device, non_blocking=True)
         key = torch.tensor(keys, dtype=torch.int32).to(device, non_blocking=True)
         step = self._fused or _eager_step
-        for i, (_, p) in enumerate(todo):
-            state = self.state[p]
-            w, g, m, v = (_local(x).view(-1) for x in (p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
-            # Rows cloned to offset 0: a view's storage offset would be a guard, and each new one a recompile.
-            step(w, g, m, v, hyper[i].clone(), key[i].clone())
+        # The fused step compiles inside its first call: on a CPU its rounding's bitcasts then stay in registers.
+        with vector_bitcasts():
+            for (_, p), hyper_row, key_row in zip(todo, hyper, key, strict=True):
+                state = self.state[p]
+                w, g, m, v = (_local(x).view(-1) for x in (p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
+                step(w, g, m, v, hyper_row, key_row)
 
 
 def optimizer_choice(optimizer: str, precision: str, peft_method: str, adapter_dtype: str = "fp32") -> str:
@@ -261,6 +278,19 @@ def optimizer_name(optimizer: str, trained: list[torch.nn.Parameter], device_typ
     return "adamw_fused" if fused else "adamw"
 
 
+# On a CPU compiling BF16AdamW's step costs each process ~4 s (warm cache) to ~11 s (cold), and the compiled step
+# saves 5-14 ns per parameter per step against the eager one (benchmarks/results/optimizer_cpu.json: 1.2-1.9x torch's
+# fused AdamW against 14-35x). From 2^25 parameters (33M) that is 0.17 s or more a step: the compile is repaid within
+# ~65 steps cold. Smaller models (the tests', the quickstart's) keep the eager step and start at once.
+CPU_COMPILE_MIN_PARAMETERS = 2**25
+
+
+def _parameter_count(params: list[Any]) -> int:
+    """Elements in `params`: parameters, or groups of them (dicts with "params")."""
+    tensors = [t for x in params for t in (x["params"] if isinstance(x, dict) else [x])]
+    return sum(t.numel() for t in tensors)
+
+
 def build_optimizer(
     name: str,
     params: Iterable[Any],
@@ -285,9 +315,9 @@ def build_optimizer(
             adamw_8bit = bnb.optim.AdamW8bit
         return adamw_8bit(params, lr=lr, betas=betas)
     if name == "adamw_bf16":
-        # Compiled on CUDA only: on a CPU each process pays 3 s (warm cache) to 50 s (cold) compiling, for a step that
-        # stays 4.4x torch's fused AdamW there (benchmarks/results/optimizer_cpu.json).
-        return BF16AdamW(params, lr=lr, betas=betas, seed=seed, compile=device_type == "cuda")
+        params = list(params)
+        compiled = device_type == "cuda" or _parameter_count(params) >= CPU_COMPILE_MIN_PARAMETERS
+        return BF16AdamW(params, lr=lr, betas=betas, seed=seed, compile=compiled)
     if name == "adamw_fused":
         return torch.optim.AdamW(params, lr=lr, betas=betas, fused=True)
     return torch.optim.AdamW(params, lr=lr, betas=betas, foreach=device_type == "cuda" or None)
