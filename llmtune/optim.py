@@ -136,6 +136,14 @@ def _eager_step(w, g, m, v, hyper, key) -> None:  # noqa: ANN001 (adamw_bf16_'s 
         adamw_bf16_(w[part], g[part], m[part], v[part], hyper, key, offset=i)
 
 
+Update = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # adamw_bf16_'s
+
+
+def _eager_steps(updates: list[Update]) -> None:
+    for update in updates:
+        _eager_step(*update)
+
+
 class FusedStep:
     """`adamw_bf16_` compiled once for every parameter size (dynamic shapes), or run eagerly in chunks where it
     cannot compile. A failed compile is logged once and not retried."""
@@ -144,24 +152,29 @@ class FusedStep:
         self.compiled: Callable[..., None] | None = None
         self.failed = False
 
-    def __call__(self, w, g, m, v, hyper, key) -> None:  # noqa: ANN001 (adamw_bf16_'s arguments)
+    def __call__(self, updates: list[Update]) -> None:
+        """Each (w, g, m, v, hyper, key) of `updates` (a step's parameters) stepped."""
         # Dynamo refuses to trace under a Python dispatch mode (the memory tracker, the estimator's fake tensors):
         # those see the eager step, whose chunked temporaries bound the compiled one's (none) from above.
         if self.failed or _get_current_dispatch_mode() is not None:
-            return _eager_step(w, g, m, v, hyper, key)
+            return _eager_steps(updates)
         if self.compiled is None:
             # emulate_precision_casts: the fp32 -> bf16 casts stay casts inside the kernel, as in eager.
             # cpp.dynamic_threads: a CPU kernel's threads chosen per call; without it inductor decides from the first
             # parameter's size, and a 256-element norm weight compiled first left a 4M-element embedding on one core.
             options = {"emulate_precision_casts": True, "cpp.dynamic_threads": True}
             self.compiled = torch.compile(adamw_bf16_, dynamic=True, fullgraph=True, options=options)
-        try:
-            self.compiled(w, g, m, v, hyper, key)
-        except Exception as err:  # no C++ compiler, no Triton, an unsupported backend: the eager step is exact
-            why = f"{type(err).__name__}: {str(err)[:200]}"
-            log.warning("BF16AdamW: compiling the fused step failed (%s); stepping eagerly", why)
-            self.failed = True
-            _eager_step(w, g, m, v, hyper, key)
+        # Inductor compiles inside the first call: on a CPU the rounding's bitcasts then stay in registers. Entered
+        # here only, as it imports inductor's C++ code generator (~2 s), which the eager step never needs.
+        with vector_bitcasts():
+            for i, update in enumerate(updates):
+                try:
+                    self.compiled(*update)
+                except Exception as err:  # no C++ compiler, no Triton, an unsupported backend: the eager step is exact
+                    why = f"{type(err).__name__}: {str(err)[:200]}"
+                    log.warning("BF16AdamW: compiling the fused step failed (%s); stepping eagerly", why)
+                    self.failed = True
+                    return _eager_steps(updates[i:])
 
 
 class BF16AdamW(torch.optim.Optimizer):
@@ -233,13 +246,12 @@ class BF16AdamW(torch.optim.Optimizer):
         device = _local(todo[0][1]).device
         hyper = torch.tensor(rows, dtype=torch.float32).to(device, non_blocking=True)
         key = torch.tensor(keys, dtype=torch.int32).to(device, non_blocking=True)
-        step = self._fused or _eager_step
-        # The fused step compiles inside its first call: on a CPU its rounding's bitcasts then stay in registers.
-        with vector_bitcasts():
-            for (_, p), hyper_row, key_row in zip(todo, hyper, key, strict=True):
-                state = self.state[p]
-                w, g, m, v = (_local(x).view(-1) for x in (p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
-                step(w, g, m, v, hyper_row, key_row)
+        updates = []
+        for (_, p), hyper_row, key_row in zip(todo, hyper, key, strict=True):
+            state = self.state[p]
+            w, g, m, v = (_local(x).view(-1) for x in (p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
+            updates.append((w, g, m, v, hyper_row, key_row))
+        (self._fused or _eager_steps)(updates)
 
 
 def optimizer_choice(optimizer: str, precision: str, peft_method: str, adapter_dtype: str = "fp32") -> str:
