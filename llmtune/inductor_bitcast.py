@@ -1,4 +1,4 @@
-"""Bitcasts in registers for torch.compile's C++ (CPU) backend, while BF16AdamW steps.
+"""Bitcasts in registers for torch.compile's C++ (CPU) backend, while BF16AdamW's compiled step runs.
 
 Inductor's C++ backend has no vector form of a bitcast (`Tensor.view(dtype)` of a computed value between float32
 and int32): it stores the vector, converts it element by element, and loads it back. BF16AdamW's stochastic rounding
@@ -8,10 +8,10 @@ Zen 4). ATen's vector types bitcast in registers (`at::vec::cast`, a reinterpret
 inductor emit that for vectors of 32-bit floats and ints, and leaves every other case, and every other backend
 (Triton on CUDA), to inductor.
 
-Scoped: the patch is in place only while BF16AdamW steps (inductor compiles inside the first step), so nothing else
-the process compiles sees it. Inductor's cache does not know of it: a graph compiled elsewhere without it would be
-served as it was compiled (slower, as exact); only BF16AdamW compiles this graph. Where inductor's internals are not
-what this expects (another torch version), nothing is patched.
+Scoped: the patch is in place only while BF16AdamW's compiled step runs (inductor compiles inside its first
+call), so nothing else the process compiles sees it. Inductor's cache does not know of it: a graph compiled
+elsewhere without it would be served as it was compiled (slower, as exact); only BF16AdamW compiles this graph.
+Where inductor's internals are not what this expects (another torch version), nothing is patched.
 """
 
 from __future__ import annotations
