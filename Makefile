@@ -98,9 +98,11 @@ test-floor:
 	$(FLOOR)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|peft|datasets|pyyaml|deepspeed) '
 	$(FLOOR)/bin/python -m pytest -q -m "not slow and not multiprocess" $(ARGS)
 
+# ruff, then the layers (import-linter's contract in pyproject.toml: docs/architecture.md).
 lint: install
 	$(PY) -m ruff check llmtune benchmarks scripts tests
 	$(PY) -m ruff format --check llmtune benchmarks scripts tests
+	.venv/bin/lint-imports
 
 format: install
 	$(PY) -m ruff format llmtune benchmarks scripts tests

@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 
 from benchmarks import RESULTS
-from llmtune.loss import CausalLMWithLoss
-from llmtune.metrics import measure_peak_flops, model_flops
-from llmtune.model import apply_checkpointing, compile_blocks
+from llmtune.model.blocks import apply_checkpointing, compile_blocks
+from llmtune.ops.loss import CausalLMWithLoss
 from llmtune.recipe import Checkpointing
+from llmtune.run.metrics import measure_peak_flops, model_flops
 
 OUTPUT = RESULTS / "compile_cpu.json"
 SETTINGS = [(False, False), (True, False), (False, True), (True, True)]  # (compiled, checkpointing)

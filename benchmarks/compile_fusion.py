@@ -1,5 +1,5 @@
 """What regional compile saves a decoder block in the time model's terms: bytes moved by its memory-bound ops, and
-kernels launched, compiled against eager (the factors `llmtune.timing.COMPILED_BLOCK` applies).
+kernels launched, compiled against eager (the factors `llmtune.plan.timing.COMPILED_BLOCK` applies).
 
 One Llama decoder layer shaped as Llama-3.2-1B's (hidden : MLP : heads : KV heads = 1 : 4 : 1/64 : 1/256, head dim
 64; narrower, as the byte ratio is per element), forward and backward under bf16 autocast on fp32 weights (the run's
@@ -69,7 +69,7 @@ def eager_counts(block: torch.nn.Module, kwargs: dict[str, Any], x: torch.Tensor
             out = func(*args, **(kwargs or {}))
             timed_by_flops = func._overloadpacket in flop_registry or "scaled_dot_product" in str(func)
             if not (timed_by_flops or func.is_view):
-                from llmtune.timing import Work
+                from llmtune.plan.timing import Work
 
                 work = Work()
                 work.add(func, args, kwargs or {}, out)

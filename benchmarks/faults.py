@@ -1,6 +1,7 @@
 """Fault injection: what a killed, stopped, full or misused run leaves on disk, and whether the next run continues it.
 
-Each fault runs the real entry point (`scripts/finetune.py`'s `llmtune.cli.main`; `accelerate launch` with 2 processes
+Each fault runs the real entry point (`scripts/finetune.py`'s `llmtune.cli.main.main`; `accelerate launch` with 2
+processes
 where the world size matters) on a tiny Llama built here (nothing from the hub). A phase is reached by wrapping the
 llmtune function that runs it in a small entry script (`ENTRY`), never by timing: the wrapper sends the signal to its
 own process, or lowers RLIMIT_FSIZE so the next large write fails as a full disk does. Just before the fault the
@@ -54,14 +55,14 @@ ENTRY = r"""
 import hashlib, json, os, resource, signal, sys, time
 from pathlib import Path
 import accelerate
-import llmtune.checkpoint, llmtune.merge, llmtune.preemption, llmtune.train
-from llmtune.cli import main
+import llmtune.run.checkpoint, llmtune.model.merge, llmtune.run.preemption, llmtune.run.loop, llmtune.run.setup
+from llmtune.cli.main import main
 
 phase, action, *nth = os.environ["LLMTUNE_FAULT"].split(":")
 nth = int(nth[0]) if nth else 1
 calls = {"n": 0}
 if action == "slow-sigterm":
-    llmtune.preemption.SIGNAL_GRACE_S = 1.0
+    llmtune.run.preemption.SIGNAL_GRACE_S = 1.0
 
 
 def hashes(folder):
@@ -105,27 +106,27 @@ def wrap(owner, name, before=True, when=lambda *a, **k: True):
 
 
 if phase == "tokenising":
-    wrap(llmtune.train, "prepare_data")
+    wrap(llmtune.run.setup, "prepare_data")
 elif phase == "planning":
-    wrap(llmtune.train, "plan_run")
+    wrap(llmtune.run.setup, "plan_run")
 elif phase == "mid-step":
-    wrap(llmtune.train, "train_step")
+    wrap(llmtune.run.loop, "train_step")
     if action == "sigterm-slow-exit":  # process 0 takes 2 s to leave the loop: the launcher stops it meanwhile
-        loop = llmtune.train.loop
+        loop = llmtune.run.loop.loop
         def slow_loop(run):
             out = loop(run)
             if os.environ.get("RANK", "0") == "0":
                 time.sleep(2)
             return out
-        llmtune.train.loop = slow_loop
+        llmtune.run.loop.loop = slow_loop
 elif phase == "mid-save":  # the checkpoint's tensors: the model, then the optimizer (written by save_state)
     wrap(accelerate.Accelerator, "save_state")
 elif phase == "after-save":  # a checkpoint complete, the run still going on
-    wrap(llmtune.checkpoint, "save_checkpoint", before=False)
+    wrap(llmtune.run.checkpoint, "save_checkpoint", before=False)
 elif phase == "final-save":
-    wrap(llmtune.checkpoint, "save_final")
+    wrap(llmtune.run.checkpoint, "save_final")
 elif phase == "merge":
-    wrap(llmtune.merge, "_write_atomically")
+    wrap(llmtune.model.merge, "_write_atomically")
 elif phase == "publish-final":  # the first rename that puts a new final/ in the old one's place
     import llmtune.files
     if hasattr(llmtune.files, "_exchange"):

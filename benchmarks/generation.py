@@ -1,4 +1,5 @@
-"""GRPO's sampling (llmtune.grpo.generate_completions) against plain `model.generate` on the same prompts.
+"""GRPO's sampling (llmtune.objectives.rollouts.generate_completions) against plain `model.generate` on the same
+prompts.
 
 The same model (a Llama-style config, random init), the same prompts (varied lengths, left-padded into one batch for
 `generate`; GRPO pads them itself), the same number of new tokens for every row (no stop id can be drawn), the
@@ -22,7 +23,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from benchmarks import run_header, write_results
-from llmtune import grpo
+from llmtune.objectives import rollouts as grpo
 from llmtune.recipe import GRPOConfig
 
 

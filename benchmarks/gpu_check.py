@@ -21,7 +21,7 @@ Sections (in this order; the memory matrix last, as it takes the time that is le
   Each with the time model's forecast and a profiled step's top ops (torch.profiler; GPU kernels on CUDA).
 - fp16 (CUDA): dynamic loss scaling with an overflow injected at step 2: the loop counts exactly the steps
   at which the loss scale dropped.
-- bf16_true: full fine-tuning with bf16 weights keeps its updates (llmtune.optim.BF16AdamW).
+- bf16_true: full fine-tuning with bf16 weights keeps its updates (llmtune.ops.optim.BF16AdamW).
 - resume: a run resumed from its step-2 checkpoint reproduces the uninterrupted run's losses.
 - gpu_tests (CUDA): `pytest -m gpu`.
 - fsdp2, deepspeed_zero3 (CUDA): one-process smoke runs through `accelerate launch`: wrapping, the step,
@@ -287,7 +287,7 @@ def prepare(ctx: Ctx) -> None:
 
 def build_run(recipe: dict, tmp: Path):
     from llmtune.recipe import load_recipe
-    from llmtune.train import build
+    from llmtune.run.setup import build
 
     path = tmp / f"recipe-{time.monotonic_ns()}.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -326,9 +326,9 @@ def examples(run: Any, step: int) -> list[dict]:
 
 def estimate_for(run: Any, *, micro: int, seq_len: int) -> Any:
     """The estimate the loop's planner would make for this run at `micro` x `seq_len`."""
-    from llmtune.loss import resolve_loss_impl
-    from llmtune.memory import estimate_settings
-    from llmtune.memory.estimate import estimate
+    from llmtune.ops.loss import resolve_loss_impl
+    from llmtune.plan import estimate_settings
+    from llmtune.plan.estimate import estimate
 
     config = run.model.model.config  # CausalLMWithLoss around the (peft) model
     r = run.recipe
@@ -342,8 +342,8 @@ def estimate_for(run: Any, *, micro: int, seq_len: int) -> Any:
 def steady_peak(run: Any, steps: list[list[dict]], limit: int | None = None) -> tuple[int, int | None, bool]:
     """(peak bytes, CUDA reserved peak, out of memory) of `steps[1:]` after a first untracked step (AdamW's
     states appear in it). Out of memory: the loop caught it and shrank the plan (train_step -> None)."""
-    from llmtune.memory.measure import PeakMemoryTracker
-    from llmtune.train import train_step
+    from llmtune.ops.measure import PeakMemoryTracker
+    from llmtune.run.loop import train_step
 
     first = train_step(run, steps[0])
     with PeakMemoryTracker(run.accelerator.device, baseline=[run.model, run.optimizer], limit_bytes=limit) as t:
@@ -360,7 +360,7 @@ def section_env(ctx: Ctx, out: dict) -> None:
     import peft
     import transformers
 
-    from llmtune.metrics import measure_peak_flops, peak_flops
+    from llmtune.run.metrics import measure_peak_flops, peak_flops
 
     out["versions"] = {
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
@@ -384,7 +384,7 @@ def section_env(ctx: Ctx, out: dict) -> None:
 
 def section_fp16(ctx: Ctx, out: dict) -> None:
     """fp16 with an overflow injected into step 2's gradients: the step is skipped and counted."""
-    from llmtune.train import fit
+    from llmtune.run.loop import fit
 
     run = build_run(ctx.recipe(SMOKE, precision="fp16", max_steps=4), ctx.tmp)
     param = next(p for p in run.model.parameters() if p.requires_grad)
@@ -419,8 +419,8 @@ def section_fp16(ctx: Ctx, out: dict) -> None:
 
 def section_bf16_true(ctx: Ctx, out: dict) -> None:
     """Full fine-tuning in bf16-true at a fine-tuning learning rate: the share of weights that moved."""
-    from llmtune.optim import BF16AdamW
-    from llmtune.train import fit
+    from llmtune.ops.optim import BF16AdamW
+    from llmtune.run.loop import fit
 
     lr = 2e-5
     run = build_run(ctx.recipe(SMOKE, precision="bf16-true", learning_rate=lr, max_steps=4), ctx.tmp)
@@ -444,7 +444,7 @@ def section_bf16_true(ctx: Ctx, out: dict) -> None:
 def section_resume(ctx: Ctx, out: dict) -> None:
     """4 steps straight vs 2 steps + resume from the step-2 checkpoint (constant lr: the schedule does not
     depend on max_steps)."""
-    from llmtune.train import fit
+    from llmtune.run.loop import fit
 
     straight = ctx.recipe(SMOKE, max_steps=4, checkpoint__every_n_steps=2, data__packing=True,
                           data__train=[{"path": str(ctx.data["short"]), "format": "text"}])  # fmt: skip
@@ -579,7 +579,7 @@ def section_planner(ctx: Ctx, out: dict) -> None:
 def planner_budget(ctx: Ctx, base: dict, budget: int, planned: int, nxt: int) -> dict:
     from accelerate.utils import find_executable_batch_size
 
-    from llmtune.train import BatchPlan
+    from llmtune.plan import BatchPlan
     from llmtune.units import format_bytes
 
     release()
@@ -639,7 +639,7 @@ def section_planner_v2(ctx: Ctx, out: dict) -> None:
 def hot_recipe(ctx: Ctx, folder: Path, data: str, *, packed: bool, steps: int, **training: Any) -> dict:
     """vs_hf's recipe on the 1B shape (tiny: toy) at the hot path's max_length, on `data`'s text rows: global batch 8,
     bf16 (on a CPU as `auto` resolves it), every other key llmtune's default unless `training` sets it."""
-    from llmtune.model import resolve_precision
+    from llmtune.model.precision import resolve_precision
 
     model = next(m for m in ctx.models if m.startswith("llama-") and m != SMOKE)
     precision = resolve_precision("auto", ctx.device.type)
@@ -661,7 +661,7 @@ def profiled_step(ctx: Ctx) -> Callable[[Any], dict]:
     """For `vs_hf.run_llmtune(after=...)`: one more optimizer step of the trained run under torch.profiler."""
 
     def profile(run: Any) -> dict:
-        from llmtune.train import train_step
+        from llmtune.run.loop import train_step
 
         batch = examples(run, 0)
         with vs_hf.make_profiler(ctx.device.type) as prof:
@@ -676,10 +676,10 @@ def profiled_step(ctx: Ctx) -> Callable[[Any], dict]:
 def predicted(ctx: Ctx, recipe: dict) -> dict:
     """The time model's forecast for `recipe` on this device, as training plans it (rates measured here in 1-3 s):
     tokens/s (every token of the step) and the plan it timed."""
-    from llmtune.loss import resolve_loss_impl
-    from llmtune.memory import plan_rates, resolve_budget
-    from llmtune.model import load_config
-    from llmtune.planning import plan_recipe
+    from llmtune.model.load import load_config
+    from llmtune.ops.loss import resolve_loss_impl
+    from llmtune.plan import plan_rates, resolve_budget
+    from llmtune.plan.planning import plan_recipe
     from llmtune.recipe import load_recipe
 
     path = ctx.tmp / f"recipe-predicted-{time.monotonic_ns()}.yaml"
@@ -865,7 +865,7 @@ def section_dpo_reference(ctx: Ctx, out: dict) -> None:
     """DPO from a model loaded from disk with the precomputed and the copy reference: both reference forwards must
     run on the device the policy trains on (issue 26: the precomputed one ran before the model moved, the copy
     was never moved: tensors on two devices). At step 1 the policy is the reference: the loss is ln 2."""
-    from llmtune.train import fit
+    from llmtune.run.loop import fit
 
     out["runs"] = {}
     for reference in ("precomputed", "copy"):
@@ -893,8 +893,8 @@ def section_generate_chat(ctx: Ctx, out: dict) -> None:
     import contextlib
     import io
 
-    from llmtune.cli import main as llmtune
-    from llmtune.generate import load_run
+    from llmtune.cli.generate import load_run
+    from llmtune.cli.main import main as llmtune
 
     folder = str(ctx.saved_model())
     out["model_device"] = str(next(load_run(folder).model.parameters()).device)
@@ -922,7 +922,7 @@ def section_grpo(ctx: Ctx, out: dict) -> None:
     """GRPO of the saved SMOKE model, both phases planned (`auto`): the plan's predicted peaks of the training step
     and of one generate call against the measured ones (the generation peak of the second batch, when the
     optimizer's states exist)."""
-    from llmtune.train import fit
+    from llmtune.run.loop import fit
 
     prompts = ctx.tmp / "prompts.jsonl"
     rows = [json.loads(line) for line in ctx.data["pairs"].read_text().splitlines()]
@@ -954,7 +954,7 @@ def section_grpo(ctx: Ctx, out: dict) -> None:
 
 def section_qlora(ctx: Ctx, out: dict) -> None:
     """QLoRA (a 4-bit base through bitsandbytes) trains from a model loaded from disk."""
-    from llmtune.train import fit
+    from llmtune.run.loop import fit
 
     recipe = ctx.recipe(SMOKE, model__name_or_path=str(ctx.saved_model()), model__random_init=False,
                         peft__method="qlora", precision="bf16", max_steps=3)  # fmt: skip
@@ -968,7 +968,7 @@ def section_qlora(ctx: Ctx, out: dict) -> None:
 
 
 def kernel_cases(ctx: Ctx) -> list[dict]:
-    """The three CUDA kernel paths the estimator models from their sources (llmtune/memory/kernels.py), on the
+    """The three CUDA kernel paths the estimator models from their sources (llmtune/plan/kernels.py), on the
     Llama-3.1-8B shape cut to 4 layers (a 2-layer toy for a CPU dry run)."""
     model, n = ("llama-1b-shape-tiny", ctx.size.max_length) if ctx.tiny else ("llama-3.1-8b-4layers", 4096)
     return [

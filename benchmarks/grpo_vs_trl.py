@@ -27,10 +27,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks import RESULTS, ROOT
-from llmtune import grpo
 from llmtune.data import IGNORE
 from llmtune.data.prompts import render_prompt_row
-from llmtune.generate import pad_id, stop_ids, until_stop
+from llmtune.model.decode import pad_id, stop_ids, until_stop
+from llmtune.objectives import rollouts as grpo
 from llmtune.recipe import GRPOConfig
 
 OUTPUT = RESULTS / "grpo_vs_trl_cpu.json"

@@ -1,10 +1,10 @@
 """What the time model forecasts for issue 42's hot path on a card it has a datasheet for: Llama-3.2-1B shape (the
 catalogue's config), full fine-tune, bf16 mixed, 8 x 2048 packed rows, checkpointing off, fused AdamW.
 
-Each row is the estimator's traced step (fake tensors, nothing loaded) timed by `llmtune.timing` at the card's
+Each row is the estimator's traced step (fake tensors, nothing loaded) timed by `llmtune.plan.timing` at the card's
 datasheet rates, issue 42's changes added one at a time: eager blocks and 128-row loss chunks as before it
 (`loss.default_chunk_size` at vocab 128256), compiled blocks (`training.compile: auto`), varlen attention, and the
-loss chunk a run plans on the card (`llmtune.memory.loss_chunk_rows`: `llmtune.loss.chunk_rows` of the card's
+loss chunk a run plans on the card (`llmtune.plan.loss_chunk_rows`: `llmtune.ops.loss.chunk_rows` of the card's
 datasheet peak over its bandwidth, within its memory budget as `llmtune estimate --gpu` takes it). Each term (matmul
 FLOPs, memory-bound bytes in and out of the blocks, launches) is given, so what a change moves is visible. The loss's
 in-place fp32 weight-gradient accumulation (issue 42's loss head) is in every row: the code traced is today's.
@@ -31,7 +31,7 @@ MICRO, SEQ = 8, 2048
 
 
 def traced(config, chunk_size: int | None):
-    from llmtune.memory.estimate import estimate
+    from llmtune.plan.estimate import estimate
 
     return estimate(
         config, micro_batch_size=MICRO, seq_len=SEQ, precision="bf16", gradient_checkpointing=False,
@@ -51,12 +51,12 @@ def attention_flops(config, doc_tokens: int | None) -> float:
 
 
 def flops_per_token(config, doc_tokens: int) -> float:
-    """The run's MFU numerator a token (`llmtune.metrics.model_flops`, every token trained) in documents of
+    """The run's MFU numerator a token (`llmtune.run.metrics.model_flops`, every token trained) in documents of
     `doc_tokens`."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llmtune.metrics import model_flops
+    from llmtune.run.metrics import model_flops
 
     with torch.device("meta"):
         flops = model_flops(AutoModelForCausalLM.from_config(config))
@@ -64,7 +64,7 @@ def flops_per_token(config, doc_tokens: int) -> float:
 
 
 def row(name: str, rates, est, flops_off: float = 0.0) -> dict:
-    from llmtune.timing import COMPILED_BLOCK_BYTES, COMPILED_BLOCK_OPS
+    from llmtune.plan.timing import COMPILED_BLOCK_BYTES, COMPILED_BLOCK_OPS
 
     w = replace(est.work, flops=est.work.flops - flops_off)
     fused = rates.compiled_blocks
@@ -86,10 +86,10 @@ def row(name: str, rates, est, flops_off: float = 0.0) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     from llmtune.catalogue import datasheet_peak_flops
-    from llmtune.memory import loss_chunk_rows
-    from llmtune.memory.budget import planning_target
-    from llmtune.model import resolve_config
-    from llmtune.timing import compiled, datasheet_rates
+    from llmtune.model.load import resolve_config
+    from llmtune.plan import loss_chunk_rows
+    from llmtune.plan.budget import planning_target
+    from llmtune.plan.timing import compiled, datasheet_rates
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gpu", default="h100-80gb")
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
         row("+ compile (training.compile: auto)", compiled(eager), before),
         row(f"+ varlen attention ({a.doc_tokens}-token documents)", compiled(eager), before, dense - varlen),
         row(
-            f"+ the planned loss chunk ({chunk} rows: llmtune.loss.chunk_rows)",
+            f"+ the planned loss chunk ({chunk} rows: llmtune.ops.loss.chunk_rows)",
             compiled(eager),
             planned,
             dense - varlen,

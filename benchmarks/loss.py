@@ -44,8 +44,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from benchmarks import RESULTS
-from llmtune.loss import LowRank, chunked_cross_entropy, loss_rows
-from llmtune.memory.measure import PeakMemoryTracker
+from llmtune.ops.loss import LowRank, chunked_cross_entropy, loss_rows
+from llmtune.ops.measure import PeakMemoryTracker
 
 OUTPUT = RESULTS / "loss_cpu.json"
 # Ops that make the host wait for the device: a value read back, or an output whose size depends on the data.
@@ -178,7 +178,7 @@ def head_traffic_main() -> None:
     from transformers import LlamaConfig
 
     from llmtune.catalogue import gpu_memory
-    from llmtune.memory import loss_chunk_rows, planning_target
+    from llmtune.plan import loss_chunk_rows, planning_target
 
     config = LlamaConfig(vocab_size=128256, hidden_size=2048)  # Llama-3.2-1B's head
     rules = {"cpu (what every device ran before)": loss_chunk_rows(config, device="cpu", gpu=None, budget_bytes=None)}

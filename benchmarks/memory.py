@@ -45,14 +45,14 @@ from transformers import (
 
 from benchmarks import RESULTS
 from llmtune.data import collate
-from llmtune.loss import CausalLMWithLoss
-from llmtune.memory import MemoryPlanError, estimate_settings, plan_micro_batch
-from llmtune.memory.estimate import MemoryEstimate, estimate
-from llmtune.memory.measure import PeakMemoryTracker
-from llmtune.model import load_model
-from llmtune.optim import make_optimizer
-from llmtune.parallelize import adapt
+from llmtune.model.load import load_model
+from llmtune.ops.loss import CausalLMWithLoss
+from llmtune.ops.measure import PeakMemoryTracker
+from llmtune.ops.optim import make_optimizer
+from llmtune.plan import MemoryPlanError, estimate_settings, plan_micro_batch
+from llmtune.plan.estimate import MemoryEstimate, estimate
 from llmtune.recipe import DataConfig, ModelConfig, PeftConfig, Recipe, TrainingConfig
+from llmtune.run.parallelize import adapt
 from llmtune.units import format_bytes
 
 VOCAB = 1024
@@ -171,7 +171,7 @@ def train_step(case: Case, step_module, opt, batches: list[dict[str, torch.Tenso
 
 class StorageHighWater(TorchDispatchMode):
     """Peak bytes of live tensor storages, written for this benchmark and sharing no code with the
-    estimator or llmtune.memory.measure: every op's outputs are followed by a weak reference to their
+    estimator or llmtune.ops.measure: every op's outputs are followed by a weak reference to their
     storage until it is freed. Cross-checked against PyTorch's MemTracker (`mem_tracker_bytes`), which
     cannot run on models with frozen parameters (it hooks every parameter's gradient)."""
 

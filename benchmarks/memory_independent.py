@@ -8,7 +8,7 @@ of the c10 CPU allocator with its size (the profiler's Allocation events). The r
 steady-state training step (the 2nd: AdamW's states exist from the 1st), plus the bytes alive when the step
 starts (parameters, buffers, optimizer states and the batch: the same baseline the estimator's `peak_bytes`
 includes), gives the step's high-water of allocated bytes. No dispatch mode and no weakref on storages: it shares
-nothing with `llmtune.memory.measure` or the estimator's counter. Every case runs in a fresh subprocess.
+nothing with `llmtune.ops.measure` or the estimator's counter. Every case runs in a fresh subprocess.
 
 The step itself is benchmarks.memory's (the model, loss module, optimizer and collated batches as `llmtune train`
 builds them); the estimate is `estimate(...)` with the planner's settings for the same recipe, default
@@ -18,7 +18,7 @@ Found (benchmarks/results/memory_independent_cpu.json): the steps agree to the b
 under, both precisions). Until 2026-12-06 checkpointed steps were under by 5056 bytes per checkpointed layer
 alive at the peak: the CPU RNG state (`torch.get_rng_state()`) torch.utils.checkpoint keeps per layer
 (preserve_rng_state), made without an ATen op, which no dispatch-mode counter sees; the estimator's trace now
-counts it (`llmtune.memory.trace`), benchmarks.memory's StorageHighWater still does not. The LoRA cases under the
+counts it (`llmtune.plan.trace`), benchmarks.memory's StorageHighWater still does not. The LoRA cases under the
 chunked loss (2026-12-06, LoRA on the head too in three families) are within 1 KB, but for qwen2 and phi3 in bf16
 with checkpointing: 70 KB under, which oneDNN's bf16 matmul scratch makes through the c10 allocator outside any
 ATen op (with `torch.backends.mkldnn.flags(enabled=False)` the qwen2 case is 544 bytes under).
@@ -45,7 +45,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import RESULTS
 from benchmarks.memory import Case, batch_of, build, predict, state_tensors, train_step
-from llmtune.model import cpu_supports_bf16
+from llmtune.model.precision import cpu_supports_bf16
 from llmtune.units import format_bytes
 
 VOCAB = 2048

@@ -7,7 +7,7 @@ model). Gradients are fixed random bf16 tensors, shared by every optimizer, so e
 Compared, in one process, each on its own copy of the parameters, the order reversed every other round, each ratio
 taken within a round (a machine that gets busier moves both sides alike): BF16AdamW compiled (one fused kernel a
 parameter), BF16AdamW eager (its fallback: chunk by chunk), torch's AdamW fused=True and foreach=True. torch's
-AdamW rounds to nearest (most small updates are lost on bf16 weights, llmtune.optim's docstring): the speed to
+AdamW rounds to nearest (most small updates are lost on bf16 weights, llmtune.ops.optim's docstring): the speed to
 match, not an alternative.
 
 Kernels per step: the profiler's top-level aten ops plus compiled kernels (compiled with
@@ -30,7 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import run_header, write_results
-from llmtune.optim import BF16AdamW
+from llmtune.ops.optim import BF16AdamW
 
 
 def llama_1b_shapes(scale: int) -> list[tuple[int, ...]]:

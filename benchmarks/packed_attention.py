@@ -1,4 +1,5 @@
-"""Packed rows' attention on a CPU: SDPA once per document (`llmtune.attention.per_document_sdpa`) against one SDPA
+"""Packed rows' attention on a CPU: SDPA once per document (`llmtune.model.attention.per_document_sdpa`) against one
+SDPA
 per micro-batch with the dense block-causal mask [B, 1, L, L] (what transformers builds for sdpa from restarting
 position ids), forward and backward of attention alone, at the quickstart's shape and at a Llama-3.2-1B layer's.
 
@@ -21,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from llmtune.attention import per_document_sdpa
 from llmtune.data.batch import document_offsets
+from llmtune.model.attention import per_document_sdpa
 
 # (name, rows, row length, heads, kv heads, head dim, document lengths drawn from)
 CASES = [

@@ -44,14 +44,14 @@ from transformers import LlamaConfig
 
 from benchmarks import RESULTS
 from llmtune.data import collate
-from llmtune.loss import CausalLMWithLoss
-from llmtune.memory import checkpointing_choices, plan_micro_batch
-from llmtune.memory.measure import PeakMemoryTracker
-from llmtune.model import load_model
-from llmtune.optim import make_optimizer
-from llmtune.parallelize import adapt
+from llmtune.model.load import load_model
+from llmtune.ops.loss import CausalLMWithLoss
+from llmtune.ops.measure import PeakMemoryTracker
+from llmtune.ops.optim import make_optimizer
+from llmtune.plan import checkpointing_choices, plan_micro_batch
+from llmtune.plan.timing import Rates, measure_rates
 from llmtune.recipe import Checkpointing, DataConfig, ModelConfig, Recipe, TrainingConfig
-from llmtune.timing import Rates, measure_rates
+from llmtune.run.parallelize import adapt
 from llmtune.units import format_bytes
 
 GLOBAL_BATCH = 8

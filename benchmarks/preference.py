@@ -4,7 +4,7 @@ The quickstart's pairs (assets/quickstart/pairs.jsonl, scripts/make_quickstart_p
 `prepare_data` both ways; batches come from `batch_for_step` as the loop takes them (length-grouped when
 unpacked). For each layout it reports, over a whole epoch of micro-batches, the fraction of computed token
 positions that are padding, then times DPO training micro-steps (forward + backward of
-`llmtune.preference.PreferenceModel` on the quickstart's model config, fp32, a precomputed reference) and
+`llmtune.objectives.pair_losses.PreferenceModel` on the quickstart's model config, fp32, a precomputed reference) and
 reports trained (completion) tokens per second and pairs per second. Layouts take turns step by step so
 background load hits them alike; the ratio is the figure to read on a shared machine.
 
@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks import RESULTS, ROOT
 from llmtune.data import batch_for_step, prepare_data, steps_per_epoch
-from llmtune.preference import PreferenceModel, collate_pairs, pairs_in
+from llmtune.objectives.pair_losses import PreferenceModel, collate_pairs, pairs_in
 from llmtune.recipe import DataConfig, PreferenceConfig, SourceConfig
 
 OUTPUT = RESULTS / "preference_packing_cpu.json"

@@ -11,7 +11,7 @@ holds the rows with their provenance (repository + path + commit, the table's ro
 where a source leaves a setting out, the rows dropped and why, and where each model's config.json comes from
 (`llmtune/catalogue/` or `benchmarks/published_configs/`).
 
-Each row is estimated with `llmtune.memory.estimate(config, ..., device="cuda")` on its settings, nothing tuned
+Each row is estimated with `llmtune.plan.estimate(config, ..., device="cuda")` on its settings, nothing tuned
 to the rows. The estimate compared is the one matching what the source measured:
 - "allocated": `torch.cuda.max_memory_allocated()` (litgpt's "Memory used" / "Peak memory"): `peak_bytes`;
 - "reserved": the caching allocator's reserved bytes: `reserved_bytes`;
@@ -40,7 +40,7 @@ import transformers
 from transformers import AutoConfig
 
 from benchmarks import RESULTS, ROOT
-from llmtune.memory import LoraSpec, estimate
+from llmtune.plan import LoraSpec, estimate
 
 ROWS = Path(__file__).resolve().parent / "published_peaks.json"
 CUDA_CONTEXT_BYTES = 512 * 1024**2  # what nvidia-smi shows beyond the allocator (context, kernels): ~0.5 GiB

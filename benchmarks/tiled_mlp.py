@@ -1,4 +1,5 @@
-"""The tiled MLP (`llmtune.tiling`) against the plain one at long rows on a CPU: a step's peak live bytes and time.
+"""The tiled MLP (`llmtune.model.tiling`) against the plain one at long rows on a CPU: a step's peak live bytes and
+time.
 
 A tiny but wide Llama (hidden 256, MLP 1024, 2 layers, vocab 1024; the MLP 4x the hidden size as Llama-3.2's is),
 fp32, one packed row of 8k and 16k tokens (documents of 1024 tokens, attention per document as a packed run has it),
@@ -23,12 +24,12 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks import run_header, write_results
-from llmtune.attention import VARLEN
-from llmtune.memory.measure import PeakMemoryTracker
-from llmtune.model import apply_checkpointing
+from llmtune.model.attention import VARLEN
+from llmtune.model.blocks import apply_checkpointing
+from llmtune.model.tiling import mlp_tiles, tile_mlp
 from llmtune.objectives import objective_named
+from llmtune.ops.measure import PeakMemoryTracker
 from llmtune.recipe import Checkpointing
-from llmtune.tiling import mlp_tiles, tile_mlp
 
 HIDDEN, INTERMEDIATE, VOCAB, DOCUMENT = 256, 1024, 1024, 1024
 

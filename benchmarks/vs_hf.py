@@ -195,7 +195,8 @@ def run_llmtune(recipe: dict, tmp: Path, *, skip: int = 0, after: Callable[[Any]
     """`recipe` trained by llmtune's loop, timed from its metrics.jsonl; `after(run)`, if given, runs on the trained
     run before it is freed (a profiled step) and its dict is kept under "after"."""
     from llmtune.recipe import load_recipe
-    from llmtune.train import build, fit
+    from llmtune.run.loop import fit
+    from llmtune.run.setup import build
 
     path = tmp / f"recipe-{time.monotonic_ns()}.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -240,7 +241,7 @@ def hf_dataset(recipe: dict, tmp: Path, steps: int):
     import datasets
 
     from llmtune.data import batch_for_step, prepare_data
-    from llmtune.model import load_tokenizer
+    from llmtune.model.load import load_tokenizer
     from llmtune.recipe import load_recipe
 
     path = tmp / "recipe-hfdata.yaml"
@@ -282,7 +283,7 @@ def run_hf(
         set_seed,
     )
 
-    from llmtune.memory.measure import PeakMemoryTracker
+    from llmtune.ops.measure import PeakMemoryTracker
 
     class InOrder(Trainer):
         def _get_train_sampler(self, train_dataset=None):  # llmtune's step order, not a fresh shuffle
@@ -497,8 +498,8 @@ def profile_table(prof, top: int = 12) -> dict:
 def check_peak_flops(precision: str, repeats: int = 3) -> dict:
     """llmtune's `measure_peak_flops` next to larger matmuls in the trials' dtype, alternating (smaller
     ones where bf16 is emulated: a 4096^3 emulated bf16 matmul takes minutes)."""
-    from llmtune.metrics import matmul_flops, measure_peak_flops
-    from llmtune.model import cpu_supports_bf16
+    from llmtune.model.precision import cpu_supports_bf16
+    from llmtune.run.metrics import matmul_flops, measure_peak_flops
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     small, large = (2048, 4096) if dtype == torch.float32 or cpu_supports_bf16() else (256, 512)
@@ -518,7 +519,7 @@ def estimate_peak(
     config, *, micro: int, seq_len: int, checkpointing: bool, loss: str, optimizer: str, precision: str,
     device: str = "cpu",
 ) -> int:  # fmt: skip
-    from llmtune.memory.estimate import estimate
+    from llmtune.plan.estimate import estimate
 
     return estimate(
         config, micro_batch_size=micro, seq_len=seq_len, precision=precision, gradient_checkpointing=checkpointing,
@@ -584,7 +585,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="both tools' precision; auto: bf16 where this CPU runs it natively, else fp32 (emulated bf16 is slow)",
     )
     a = p.parse_args(argv)
-    from llmtune.model import resolve_precision
+    from llmtune.model.precision import resolve_precision
 
     precision = resolve_precision(a.precision, "cpu")
     rounds = a.rounds or (1 if a.quick else 2)
@@ -761,7 +762,8 @@ def profile_llmtune(recipe: dict, tmp: Path) -> dict:
     """torch.profiler over one llmtune optimizer step (after two warm-up steps), through `train_step`."""
     from llmtune.data import batch_for_step
     from llmtune.recipe import load_recipe
-    from llmtune.train import build, train_step
+    from llmtune.run.loop import train_step
+    from llmtune.run.setup import build
 
     recipe = json.loads(json.dumps(recipe))
     recipe["output_dir"] += "-profile"

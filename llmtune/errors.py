@@ -1,7 +1,7 @@
 """The errors llmtune raises on purpose, and the exit status each ends a command with.
 
 Every module's own error class (RecipeError, DataError, SetupError, ...) derives from one of the two bases
-here, so `llmtune.cli.main` maps them by their base, never by a list to keep in step with the modules.
+here, so `llmtune.cli.main.main` maps them by their base, never by a list to keep in step with the modules.
 This module imports nothing: any module may raise these without an import circle.
 """
 
@@ -30,3 +30,7 @@ class RunFailed(LlmtuneError):
 
     exit_code = EXIT_FAILED
     prefix = "training stopped"
+
+
+class SetupError(UserError, RuntimeError):
+    """The recipe asks for something this machine cannot do; raised before any model loads."""

@@ -14,6 +14,7 @@ import math
 import os
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -21,6 +22,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from llmtune.errors import UserError
+from llmtune.units import parse_bytes
 
 Precision = Literal["auto", "bf16", "fp16", "fp32", "bf16-true"]
 COMMAND_LINE = "<command line>"
@@ -158,7 +160,7 @@ def checkpointing_of(value: bool | str | Checkpointing) -> Checkpointing | None:
 class TrainingConfig:
     precision: Precision = doc(
         "bf16 / fp16: mixed precision (fp32 master weights, autocast; fp16 adds dynamic loss scaling);"
-        " bf16-true: weights in bf16, no autocast, updates kept by stochastic rounding (llmtune.optim); fp32;"
+        " bf16-true: weights in bf16, no autocast, updates kept by stochastic rounding (llmtune.ops.optim); fp32;"
         " auto: bf16 where the device runs it natively (CUDA, CPUs with AVX512-BF16/AMX), else fp16 on CUDA,"
         " else fp32; the setup log says which and why.",
         "auto",
@@ -732,14 +734,24 @@ def _describe(tp: Any) -> str:
     )
 
 
+_Need = Callable[[bool, str, str], None]
+
+
 def _check_values(r: Recipe) -> list[tuple[str, str]]:
     """Value rules that types alone cannot express, as (dotted key, message)."""
-    t, problems = r.training, []
+    problems: list[tuple[str, str]] = []
 
     def need(ok: bool, key: str, why: str) -> None:
         if not ok:
             problems.append((key, f"`{key}` {why}"))
 
+    _check_run(r, need)
+    _check_training(r.training, need)
+    _check_peft(r, need)
+    return problems + _check_objective(r) + _check_grpo(r) + _check_budget(r)
+
+
+def _check_run(r: Recipe, need: _Need) -> None:
     need(bool(r.data.train), "data.train", "must name at least one source")
     for split in ("train", "eval"):
         for i, src in enumerate(getattr(r.data, split)):
@@ -748,28 +760,28 @@ def _check_values(r: Recipe) -> list[tuple[str, str]]:
     need(0 <= r.seed < 2**32, "seed", f"must be in [0, 2**32), got {r.seed}")
     need(r.data.max_length > 0, "data.max_length", "must be positive")
     need(0.0 <= r.data.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
-    need(t.global_batch_size > 0, "training.global_batch_size", "must be positive")
     need(0 < r.distributed.timeout < math.inf, "distributed.timeout", "must be a positive number of seconds")
     sp = r.parallel.sequence_parallel
     need(sp == "auto" or (type(sp) is int and sp >= 1), "parallel.sequence_parallel", f"must be auto or >= 1, got {sp}")
+    need(r.checkpoint.every_n_steps >= 0, "checkpoint.every_n_steps", "must be >= 0")
+    need(r.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    need(r.logging.every_n_steps >= 1, "logging.every_n_steps", "must be >= 1")
+
+
+def _check_training(t: TrainingConfig, need: _Need) -> None:
+    need(t.global_batch_size > 0, "training.global_batch_size", "must be positive")
     need(t.max_steps > 0, "training.max_steps", "must be positive")
     need(t.learning_rate > 0, "training.learning_rate", "must be positive")
     # A warmup longer than the run is allowed (smoke runs: max_steps=1): the rate never reaches its peak.
     need(t.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")
     need(0.0 <= t.min_lr_ratio <= 1.0, "training.min_lr_ratio", "must be in [0, 1]")
-    need(
-        len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas),
-        "training.adam_betas",
-        "must be two numbers in [0, 1)",
-    )
+    betas_ok = len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas)
+    need(betas_ok, "training.adam_betas", "must be two numbers in [0, 1)")
     need(t.max_grad_norm >= 0, "training.max_grad_norm", "must be >= 0")
     need(t.weight_decay >= 0, "training.weight_decay", "must be >= 0")
     if isinstance(t.gradient_checkpointing, Checkpointing):
-        need(
-            t.gradient_checkpointing.every_n_layers >= 0,
-            "training.gradient_checkpointing",
-            "every_n_layers must be >= 0",
-        )
+        every = t.gradient_checkpointing.every_n_layers
+        need(every >= 0, "training.gradient_checkpointing", "every_n_layers must be >= 0")
     need(t.max_nonfinite_steps >= 1, "training.max_nonfinite_steps", "must be >= 1")
     if isinstance(t.micro_batch_size, int):
         need(t.micro_batch_size > 0, "training.micro_batch_size", "must be positive or auto")
@@ -778,30 +790,28 @@ def _check_values(r: Recipe) -> list[tuple[str, str]]:
             "training.global_batch_size",
             f"({t.global_batch_size}) must be a multiple of training.micro_batch_size ({t.micro_batch_size})",
         )
-    need(r.checkpoint.every_n_steps >= 0, "checkpoint.every_n_steps", "must be >= 0")
-    need(r.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
-    need(r.logging.every_n_steps >= 1, "logging.every_n_steps", "must be >= 1")
+
+
+def _check_peft(r: Recipe, need: _Need) -> None:
     need(r.peft.rank >= 1, "peft.rank", f"must be >= 1, got {r.peft.rank}")
     need(0 <= r.peft.dropout < 1, "peft.dropout", f"must be in [0, 1), got {r.peft.dropout}")
     if r.peft.adapter_dtype == "bf16":
         need(r.peft.method != "none", "peft.adapter_dtype", "applies to adapters: set peft.method")
         need(
-            t.precision == "bf16-true",
+            r.training.precision == "bf16-true",
             "peft.adapter_dtype",
-            f"bf16 needs training.precision bf16-true, not {t.precision}: mixed precision trains fp32 weights",
+            f"bf16 needs training.precision bf16-true, not {r.training.precision}: mixed precision trains fp32 weights",
         )
-    problems += _check_objective(r)
-    problems += _check_grpo(r)
-    if r.memory.budget != "auto":
-        try:
-            from llmtune.units import parse_bytes
 
-            parse_bytes(r.memory.budget)
-        except ValueError:
-            problems.append(
-                ("memory.budget", f"`memory.budget` must be auto or a size like 20GiB, got {r.memory.budget!r}")
-            )
-    return problems
+
+def _check_budget(r: Recipe) -> list[tuple[str, str]]:
+    if r.memory.budget == "auto":
+        return []
+    try:
+        parse_bytes(r.memory.budget)
+    except ValueError:
+        return [("memory.budget", f"`memory.budget` must be auto or a size like 20GiB, got {r.memory.budget!r}")]
+    return []
 
 
 def _check_grpo(r: Recipe) -> list[tuple[str, str]]:

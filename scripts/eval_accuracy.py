@@ -4,7 +4,7 @@
 
 `make train` runs it after the quickstart, so the log shows that the model learned the task, not only
 that its loss fell. Compare with an untrained model: `--model assets/quickstart/model --random-init`.
-Each prompt is given as `llmtune generate` gives it (`llmtune.generate.load_run`): in the layout the run trained
+Each prompt is given as `llmtune generate` gives it (`llmtune.cli.generate.load_run`): in the layout the run trained
 with (plain, Alpaca's template, or the chat template), ending at every stop id.
 """
 
@@ -20,7 +20,7 @@ import torch
 from make_quickstart import new_additions  # scripts/ is this script's folder: on sys.path when it runs
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from llmtune.generate import LoadedRun, Sampling, load_run, on_accelerator, reply
+from llmtune.cli.generate import LoadedRun, Sampling, load_run, on_accelerator, reply
 
 
 def untrained(folder: str) -> LoadedRun:

@@ -21,8 +21,8 @@ import json
 import time
 from pathlib import Path
 
+from llmtune.cli.generate import Sampling, batch_answers, load_run
 from llmtune.data import render_prompt
-from llmtune.generate import Sampling, batch_answers, load_run
 
 
 def select_pairs(rows: list[dict], greedy: list[str], sampled: list[str] | None = None) -> list[dict]:

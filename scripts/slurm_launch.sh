@@ -28,7 +28,7 @@ RECIPE=${1:?usage: sbatch scripts/slurm_launch.sh RECIPE [key=value ...]}; shift
 GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-8}
 CONFIG=${CONFIG:-recipes/accelerate/multinode.yaml}
 MAIN_IP=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-EXIT_RESUMABLE=75 # llmtune's EXIT_PREEMPTED (llmtune/preemption.py)
+EXIT_RESUMABLE=75 # llmtune's EXIT_PREEMPTED (llmtune/run/preemption.py)
 
 # The run's output_dir, with the same overrides; empty when the recipe does not load (the launch then says why).
 OUTPUT_DIR=$(python -c 'import sys; from llmtune.recipe import load_recipe

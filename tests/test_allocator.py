@@ -1,8 +1,8 @@
-"""The CUDA caching allocator model (llmtune/memory/allocator.py) on sequences worked out by hand."""
+"""The CUDA caching allocator model (llmtune/plan/allocator.py) on sequences worked out by hand."""
 
 from __future__ import annotations
 
-from llmtune.memory.allocator import reserved_peak, round_size
+from llmtune.plan.allocator import reserved_peak, round_size
 
 MiB = 1024**2
 

@@ -1,5 +1,5 @@
 """Every user-supplied input, given wrong, to every command: exit status 2, one error line that names the input,
-no traceback, and nothing written. Most cases run `llmtune.cli.main` in-process (fast); a few run the real
+no traceback, and nothing written. Most cases run `llmtune.cli.main.main` in-process (fast); a few run the real
 command in a subprocess (the hub offline, and the plain `scripts/finetune.py` entry point)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from llmtune.cli import main
+from llmtune.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -212,7 +212,7 @@ def test_unreadable_recipe(ctx, capsys):
 
 def run_cli(argv: list[str], **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", "from llmtune.cli import entry; entry()", *argv],
+        [sys.executable, "-c", "from llmtune.cli.main import entry; entry()", *argv],
         capture_output=True,
         text=True,
         env={**os.environ, **env},
@@ -260,17 +260,16 @@ def test_every_error_class_exits_by_its_base():
     """Each module's error class derives from llmtune.errors' bases, so the CLI maps it without a list to keep in
     step: a user's mistake exits 2, a failed run 1; the classes stay the ValueError/RuntimeError callers catch."""
     from llmtune.catalogue import CatalogueError
-    from llmtune.checkpoint import ResumeError
+    from llmtune.cli.generate import GenerateError
+    from llmtune.cli.plot import PlotError
     from llmtune.data import DataError
-    from llmtune.errors import EXIT_FAILED, EXIT_USAGE, RunFailed, UserError
-    from llmtune.generate import GenerateError
-    from llmtune.memory import MemoryPlanError
-    from llmtune.merge import MergeError
-    from llmtune.metrics import TrackerError
-    from llmtune.model import SetupError
-    from llmtune.plot import PlotError
+    from llmtune.errors import EXIT_FAILED, EXIT_USAGE, RunFailed, SetupError, UserError
+    from llmtune.model.merge import MergeError
+    from llmtune.plan import MemoryPlanError
+    from llmtune.plan.planning import PlanError, TrainingError
     from llmtune.recipe import RecipeError
-    from llmtune.train import PlanError, TrainingError
+    from llmtune.run.checkpoint import ResumeError
+    from llmtune.run.metrics import TrackerError
 
     user = [RecipeError, DataError, SetupError, ResumeError, TrackerError, PlanError, MemoryPlanError, CatalogueError]
     for cls in [*user, GenerateError, MergeError, PlotError]:

@@ -9,8 +9,8 @@ import statistics
 import pytest
 import torch
 
-from llmtune import bench
-from llmtune.bench import (
+from llmtune.cli import bench
+from llmtune.cli.bench import (
     add_bench_parser,
     estimate_kwargs,
     format_table,
@@ -21,8 +21,8 @@ from llmtune.bench import (
     step_rates,
     tokens_per_s,
 )
-from llmtune.memory.estimate import LoraSpec
-from llmtune.model import cpu_supports_bf16
+from llmtune.model.precision import cpu_supports_bf16
+from llmtune.plan.estimate import LoraSpec
 from llmtune.recipe import Checkpointing, load_recipe
 
 ON_CPU = not torch.cuda.is_available()
@@ -156,11 +156,11 @@ def test_fp16_is_skipped_on_cpu_with_the_reason():
 def test_emulated_bf16_is_measured_once_with_fewer_steps(tiny_recipe, tmp_path, monkeypatch, native):
     """Where bf16 is emulated (~30x slower) its trials run in the first round only, at EMULATED_STEPS; the rows
     are measured (not skipped) and marked emulated in the JSON, the table and the plot's labels."""
-    import llmtune.model
-    from llmtune.plot import _trial_label
+    import llmtune.model.precision
+    from llmtune.cli.plot import _trial_label
 
     calls: list = []
-    monkeypatch.setattr(llmtune.model, "cpu_supports_bf16", lambda: native)
+    monkeypatch.setattr(llmtune.model.precision, "cpu_supports_bf16", lambda: native)
     monkeypatch.setattr(bench, "run_trial", fake_trial(calls))
     capacity = {"max_micro_batch_size": 16, "max_micro_batch_method": "fake", "planned_micro_batch_size": 8}
     monkeypatch.setattr(bench, "micro_batch_capacity", lambda *a, **k: capacity)

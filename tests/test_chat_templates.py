@@ -16,7 +16,7 @@ import pytest
 
 from llmtune.data.chat import end_of_turn_ids
 from llmtune.data.render import IGNORE, render_messages
-from llmtune.generate import stop_ids
+from llmtune.model.decode import stop_ids
 from tests.real_tokenizers import CHATS, END_OF_TURN, TEMPLATES, TOOL_CHATS, TOOLS, real_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]  # the first run builds the tokenizers (~2 min); later, loads
@@ -165,7 +165,7 @@ def test_tool_calls_and_tool_turns_pass_through_as_the_template_renders_them(nam
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_prompts_and_stops_come_from_the_template(name):
     """What `generate`, `chat`, GRPO and the eval prompt with, and where they stop, for each family."""
-    from llmtune.generate import LoadedRun, prompt_ids
+    from llmtune.cli.generate import LoadedRun, prompt_ids
 
     tokenizer = tokenizer_of(name)
     end = tokenizer.convert_tokens_to_ids(end_of(name, last=True))

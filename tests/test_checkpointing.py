@@ -1,7 +1,7 @@
 """Partial and selective activation checkpointing compute what no checkpointing computes (issue 17, item 4).
 
 Model level: one forward/backward of a tiny model (6 decoder layers, fp32, CPU, a packed batch) with
-`llmtune.model.apply_checkpointing` and without it; the loss and the gradient of every trainable parameter must
+`llmtune.model.blocks.apply_checkpointing` and without it; the loss and the gradient of every trainable parameter must
 agree to 1e-6 -- for every k-th layer (k = 1, 2, 3) and selective, on Llama and Qwen2, with dropout (GPT-2,
 Llama), under LoRA, and with compiled blocks. On CPU in fp32 a recomputation runs the same kernels on the same
 inputs, so the results are in fact bitwise equal. Equal gradients alone would also pass if checkpointing did
@@ -36,9 +36,10 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from llmtune.model import apply_checkpointing, apply_peft, compile_blocks, decoder_blocks
+from llmtune.model.adapters import apply_peft
+from llmtune.model.blocks import apply_checkpointing, compile_blocks, decoder_blocks
 from llmtune.recipe import Checkpointing, PeftConfig, load_recipe
-from llmtune.train import train
+from llmtune.run.loop import train
 
 LAYERS = 6
 TOL = dict(atol=1e-6, rtol=1e-6)
@@ -62,7 +63,7 @@ def spec_id(spec: Checkpointing) -> str:
 
 
 def is_matmul(op: torch._ops.OpOverload) -> bool:
-    """What selective checkpointing must keep, named here rather than read from llmtune.model, so that an op
+    """What selective checkpointing must keep, named here rather than read from llmtune.model.blocks, so that an op
     missing from its list shows up as a recomputed matmul."""
     name = op.name()
     if name.startswith("aten::_scaled_dot_product"):

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from llmtune import checkpoint
-from llmtune.rundir import LOCK_FILE
-from llmtune.train import EXIT_PREEMPTED
+from llmtune.errors import EXIT_PREEMPTED
+from llmtune.run import checkpoint
+from llmtune.run.rundir import LOCK_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -63,9 +63,9 @@ def launch(
 # `after_run(recipe)` to write what it recorded during a run into that run's folder.
 RUNS = """
 import sys
-from llmtune.cli import build_parser, end_process_group, setup_logging
+from llmtune.cli.main import build_parser, end_process_group, setup_logging
 from llmtune.recipe import load_recipe
-from llmtune.train import train
+from llmtune.run.loop import train
 setup_logging()
 groups = [[]]
 for arg in sys.argv[1:]:
@@ -138,17 +138,17 @@ def test_sigterm_to_one_process_checkpoints_both_and_exits(tiny_recipe, tmp_path
 HANGING_ENTRY = """
 import os, sys, time
 from pathlib import Path
-import llmtune.preemption, llmtune.train
-from llmtune.cli import main
-llmtune.preemption.SIGNAL_GRACE_S = 2.0
-train_step, calls = llmtune.train.train_step, []
+import llmtune.run.preemption, llmtune.run.loop
+from llmtune.cli.main import main
+llmtune.run.preemption.SIGNAL_GRACE_S = 2.0
+train_step, calls = llmtune.run.loop.train_step, []
 def hanging_step(run, examples):
     calls.append(1)
     if os.environ["RANK"] == "1" and len(calls) == 3:
         Path(os.environ["HUNG"]).write_text("")
         time.sleep(3600)
     return train_step(run, examples)
-llmtune.train.train_step = hanging_step
+llmtune.run.loop.train_step = hanging_step
 sys.exit(main(["train", *sys.argv[1:]]))
 """
 

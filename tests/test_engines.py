@@ -11,12 +11,12 @@ import torch
 from test_memory import tiny_config
 from transformers import AutoModelForCausalLM
 
-from llmtune.cli import main
-from llmtune.communication import LINK_EFFICIENCY, Traffic, engine_traffic, step_seconds
-from llmtune.memory import BatchPlan, estimate, planning_target, recipe_for_model
-from llmtune.model import resolve_config
-from llmtune.planning import EngineChoice, engine_advice, engine_note, plan_engines
-from llmtune.timing import Rates, Work, datasheet_rates
+from llmtune.cli.main import main
+from llmtune.model.load import resolve_config
+from llmtune.plan import BatchPlan, estimate, planning_target, recipe_for_model
+from llmtune.plan.communication import LINK_EFFICIENCY, Traffic, engine_traffic, step_seconds
+from llmtune.plan.planning import EngineChoice, engine_advice, engine_note, plan_engines
+from llmtune.plan.timing import Rates, Work, datasheet_rates
 
 GB = 1e9
 
@@ -88,9 +88,9 @@ def test_fp32_is_timed_at_tf32_only_where_the_run_turns_it_on_and_the_card_has_i
 def test_a_recipe_sets_tf32_for_the_run(tiny_recipe, monkeypatch):
     """true / false as set; auto (the default) on where the run is on CUDA (faked: the launch's device check and the
     allocator setting answered), off on a CPU."""
-    from llmtune import launch
     from llmtune.objectives import objective_for
     from llmtune.recipe import load_recipe
+    from llmtune.run import launch
 
     def tf32_after_launch(cuda: bool, **overrides) -> bool:
         with monkeypatch.context() as m:
@@ -116,7 +116,7 @@ def test_a_recipe_sets_tf32_for_the_run(tiny_recipe, monkeypatch):
 
 def test_an_fp32_recipe_is_planned_at_tf32s_rate_on_a_gpu_by_default(tiny_recipe, tiny_model_dir):
     """The planner times fp32 matmuls as the run will run them: TF32 by default on a GPU, full fp32 when turned off."""
-    from llmtune.planning import plan_recipe
+    from llmtune.plan.planning import plan_recipe
     from llmtune.recipe import load_recipe
 
     def rates_source(**overrides) -> str:
@@ -133,9 +133,9 @@ def test_an_fp32_recipe_is_planned_at_tf32s_rate_on_a_gpu_by_default(tiny_recipe
 def test_a_recipe_sets_the_collective_timeout(tiny_recipe):
     from datetime import timedelta
 
-    from llmtune.launch import make_accelerator
     from llmtune.objectives import objective_for
     from llmtune.recipe import load_recipe
+    from llmtune.run.launch import make_accelerator
 
     for overrides, seconds in (({}, 1800), ({"distributed__timeout": 90}, 90)):
         recipe = load_recipe(tiny_recipe(**overrides))
@@ -155,7 +155,8 @@ def _bf16_sizes(cfg) -> tuple[int, int, int]:
 def test_fsdp2_in_bf16_keeps_fp32_shards_and_gathers_bf16_blocks_and_root(sharding):
     """FSDP2's MixedPrecisionPolicy (torch/distributed/fsdp/_fully_shard): the sharded parameters stay fp32, the
     all-gather's output is in param_dtype bf16, there is no autocast and so no cache of cast weights. The root
-    (embeddings, norm, lm head; llmtune.parallel.shard_fsdp2 sets it reshard_after_forward=False) stays gathered from
+    (embeddings, norm, lm head; llmtune.parallel.engines.shard_fsdp2 sets it reshard_after_forward=False) stays
+    gathered from
     forward to backward; the blocks two at a time, or all of them by backward without resharding."""
     cfg = tiny_config("llama", layers=4)
     est = estimate(
@@ -258,7 +259,7 @@ def test_estimate_ranks_the_engines_and_plans_the_first(capsys):
 def test_compiled_blocks_are_timed_with_their_memory_bound_work_fused():
     """Rates.compiled_blocks takes the block's memory-bound bytes and launches down to what Inductor's kernels move
     (timing.COMPILED_BLOCK_*); matmul FLOPs and the work outside the blocks (head, loss, optimizer) stay as they are."""
-    from llmtune.timing import COMPILED_BLOCK_BYTES, COMPILED_BLOCK_OPS, compiled
+    from llmtune.plan.timing import COMPILED_BLOCK_BYTES, COMPILED_BLOCK_OPS, compiled
 
     work = Work(flops=1e12, bytes=3e9, ops=1000, block_bytes=2e9, block_ops=600)
     eager = Rates(1e12, 1e10, 1e-6, "test")
@@ -273,7 +274,7 @@ def test_compiled_blocks_are_timed_with_their_memory_bound_work_fused():
 def test_the_planner_times_compiled_blocks_on_a_gpu_by_default(tiny_recipe, tiny_model_dir):
     """compile: auto is on for a GPU plan, and the traced step's block work is what it fuses: part of the bytes, as
     the embedding's backward, the head and the loss stay eager. On a CPU plan, auto is off."""
-    from llmtune.planning import plan_recipe
+    from llmtune.plan.planning import plan_recipe
     from llmtune.recipe import load_recipe
 
     cfg = resolve_config(str(tiny_model_dir))

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmtune.catalogue import CATALOGUE_DIR, GPUS, MODELS, gpu_memory
-from llmtune.cli import main
+from llmtune.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 # Parameter counts published on each model's hub page (safetensors "Model size"): a config with a wrong
@@ -190,7 +190,7 @@ def test_estimate_plans_what_training_plans_on_the_recipes_data(tmp_path, capsys
     """It used to plan every token as trained (1.0) where training plans the data's densest row: +8% at the median
     of real runs. Training's plan is `build`'s (its `plan_run`, before any step)."""
     from llmtune.recipe import load_recipe
-    from llmtune.train import build
+    from llmtune.run.setup import build
 
     recipe = _wide_recipe(tmp_path, wide_vocab_model, tiny_data, memory__budget=str(peaks["budget"]))
     estimated = _estimate_json(capsys, recipe)
@@ -207,8 +207,8 @@ def test_estimate_plans_what_training_plans_on_the_recipes_data(tmp_path, capsys
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the budget is a CPU's")
 def test_no_data_plans_the_bound_as_estimate_did_before(tmp_path, capsys, wide_vocab_model, tiny_data, peaks):
-    from llmtune.model import resolve_config
-    from llmtune.planning import plan_recipe
+    from llmtune.model.load import resolve_config
+    from llmtune.plan.planning import plan_recipe
     from llmtune.recipe import load_recipe
 
     assert peaks["bound"] > peaks["with_data"]  # the same micro-batch
@@ -279,7 +279,7 @@ def test_estimate_answers_how_long_rows_are_split_and_what_would_fit_where_none_
     across both (`how`); on 1 process the same budget does not fit, and the error names the degree that would."""
     from test_planner import RATES
 
-    from llmtune import timing
+    from llmtune.plan import timing
 
     monkeypatch.setattr(timing, "measure_rates", lambda *a, **k: RATES)  # the choice depends on memory alone here
     recipe = tiny_recipe(**{"data__max_length": 256, "training__micro_batch_size": 1})

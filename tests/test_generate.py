@@ -14,7 +14,7 @@ import torch
 from conftest import write_tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from llmtune.cli import main
+from llmtune.cli.main import main
 
 PROMPT = "tell me the quick"
 NEW_TOKENS = 8
@@ -91,7 +91,7 @@ def test_generate_and_chat_answer_as_plain_transformers(tiny_recipe, tmp_path, c
 def test_lora_run_on_random_base_loads_with_plain_peft(tiny_recipe, capsys, caplog):
     from peft import AutoPeftModelForCausalLM
 
-    from llmtune.model import peft_quietly
+    from llmtune.model.adapters import peft_quietly
 
     run = train(tiny_recipe(model__random_init=True, peft__method="lora", peft__rank=4, peft__alpha=8.0), caplog)
     final = run / "final"
@@ -124,8 +124,8 @@ def test_batch_answers_batched_equal_answer_row_by_row():
     """The on-policy pair script answers thousands of questions with `batch_answers`; each answer must be the one
     `answer` (and so eval_accuracy.py) gives that prompt alone: prompts of several lengths, per-row token budgets,
     and rows that end at EOS before their budget while others in the batch go on."""
+    from llmtune.cli.generate import Sampling, answer, batch_answers
     from llmtune.data import render_prompt
-    from llmtune.generate import Sampling, answer, batch_answers
 
     root = Path(__file__).resolve().parents[1] / "assets" / "quickstart"
     tokenizer = AutoTokenizer.from_pretrained(root / "model")  # the quickstart's, shipped with the repo
@@ -197,7 +197,7 @@ def test_parrot_runs_past_its_end_of_turn_with_the_tokenizers_eos_alone(tmp_path
 def test_replies_stop_at_each_stop_id_of_the_generation_config(tmp_path, capsys, monkeypatch):
     """Llama-3-Instruct / Gemma-2-it / Qwen: generation_config.json lists the end-of-turn token beside the eos;
     generate, chat, and prompts rendered with the chat template or plain, one by one or batched, stop there."""
-    from llmtune.generate import Sampling, batch_answers, load_run, prompt_ids, reply
+    from llmtune.cli.generate import Sampling, batch_answers, load_run, prompt_ids, reply
 
     folder = write_parrot(tmp_path / "parrot", [2, 5])  # [</s>, <|im_end|>]
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [2, 5]
@@ -219,7 +219,7 @@ def test_chat_reply_stops_at_the_templates_end_of_turn(tmp_path):
     """A model whose generation_config knows only </s>, prompted with a ChatML template (llmtune's fallback for a
     base model trained on chats): the reply ends at the template's <|im_end|>. Plain prompts never saw the
     template, so their stops stay the model's own."""
-    from llmtune.generate import Sampling, answer, batch_answers, load_run, prompt_ids, reply
+    from llmtune.cli.generate import Sampling, answer, batch_answers, load_run, prompt_ids, reply
 
     run = load_run(write_parrot(tmp_path / "parrot", 2), chat=True)
     messages = [{"role": "user", "content": PROMPT}]
@@ -234,7 +234,7 @@ def test_chat_reply_stops_at_the_templates_end_of_turn(tmp_path):
 def test_stop_ids_gather_the_models_the_tokenizers_and_the_templates(tokenizer):
     from types import SimpleNamespace
 
-    from llmtune.generate import stop_ids
+    from llmtune.model.decode import stop_ids
 
     def model(eos):
         return SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=eos))
@@ -256,7 +256,7 @@ def test_stop_ids_gather_the_models_the_tokenizers_and_the_templates(tokenizer):
 def test_load_run_moves_the_model_to_the_gpu_when_there_is_one(tmp_path, monkeypatch, cuda):
     from transformers import LlamaForCausalLM
 
-    from llmtune.generate import load_run
+    from llmtune.cli.generate import load_run
 
     folder = write_parrot(tmp_path / "parrot", 2)
     asked: list[torch.device] = []

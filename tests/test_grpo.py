@@ -12,10 +12,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks import grpo_vs_trl
 from benchmarks.grpo_vs_trl import compare, with_trl_head
-from llmtune import grpo
 from llmtune.data import IGNORE
+from llmtune.objectives import rollouts as grpo
 from llmtune.recipe import GRPOConfig, RewardConfig, load_recipe
-from llmtune.train import train
+from llmtune.run.loop import train
 
 # ---------------------------------------------------------------- helpers
 
@@ -193,7 +193,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from transformers import LlamaConfig, LlamaForCausalLM
-from llmtune import grpo
+from llmtune.objectives import rollouts as grpo
 from llmtune.recipe import GRPOConfig
 
 dist.init_process_group("gloo")
@@ -344,7 +344,7 @@ def test_a_run_resumes_exactly_and_reports_its_rewards(grpo_recipe, tmp_path):
             assert x[key] == pytest.approx(y[key], abs=1e-6), (key, x["step"])
     assert all(0 < m["completion_length"] <= 6 and m["clip_ratio"] == 0 for m in a)  # one update per batch: no clip
     assert {"reward_std", "frac_reward_zero_std", "completions_clipped", "generation_peak_bytes"} <= set(a[0])
-    from llmtune.plot import plot_run
+    from llmtune.cli.plot import plot_run
 
     assert plot_run(tmp_path / "whole")[0].stat().st_size > 0  # with the rewards' panels
 

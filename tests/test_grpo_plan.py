@@ -2,7 +2,7 @@
 and the generation that samples them, whose rows per `generate` call it chooses within the budget.
 
 Tolerances: the training step is traced on fake tensors as for SFT and is exact to the byte on CPU (TOL 1%, as
-tests/test_memory.py). The generation phase is a closed form (llmtune.memory.generation); against the live tensors
+tests/test_memory.py). The generation phase is a closed form (llmtune.plan.generation); against the live tensors
 of real CPU `generate` calls (the growth above the resident state) it is over by 0.01-0.06% in the cases below and
 +1.2% for LoRA under autocast: the tests allow [0, +3%]. Seen outside them: +0.3% with 24 new tokens, +1.2% with 96
 (the ids' copies), +4.4% for a prefill peak under autocast (the cast cache still filling: the last layer's and the
@@ -21,14 +21,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 
-from llmtune import timing
-from llmtune.cli import main
+from llmtune.cli.main import main
 from llmtune.data import IGNORE
-from llmtune.grpo import GRPOModel, GumbelSampling, collate_completions
-from llmtune.memory import BatchPlan, PeakMemoryTracker, estimate, estimate_settings, plan_for_budget, training_rows
-from llmtune.memory.estimate import LoraSpec
-from llmtune.memory.from_recipe import with_generation
-from llmtune.memory.generation import (
+from llmtune.objectives.rollouts import GRPOModel, GumbelSampling, collate_completions
+from llmtune.ops.measure import PeakMemoryTracker
+from llmtune.plan import BatchPlan, estimate, estimate_settings, plan_for_budget, timing, training_rows
+from llmtune.plan.estimate import LoraSpec
+from llmtune.plan.from_recipe import with_generation
+from llmtune.plan.generation import (
     DecoderShape,
     GenerationEstimate,
     generation_peak,
@@ -38,6 +38,7 @@ from llmtune.memory.generation import (
     plan_generation_rows,
     values_stay_16_bit,
 )
+from llmtune.plan.timing import Rates
 from llmtune.recipe import (
     DataConfig,
     GRPOConfig,
@@ -47,7 +48,6 @@ from llmtune.recipe import (
     SourceConfig,
     TrainingConfig,
 )
-from llmtune.timing import Rates
 
 TOL = 0.01  # the training step (as tests/test_memory.py)
 GENERATION_OVER = 0.03  # the generation phase: predicted growth within [measured, measured x 1.03]
@@ -210,7 +210,8 @@ def test_decoder_shape_defaults_and_composite_configs():
 def _measured_generate(
     cfg: LlamaConfig, folder, *, rows: int, prompt: int, new: int, precision: str, top_p: float, lora: str | None
 ):
-    """(live tensor bytes at entry, peak) of one `generate` call as llmtune.grpo.sample makes it: no padding,
+    """(live tensor bytes at entry, peak) of one `generate` call as llmtune.objectives.rollouts.sample makes it: no
+    padding,
     greedy decoding of Gumbel-noised scores, under no_grad (and autocast for mixed precision). The stop id is one no
     sample can draw, so every call makes all `new` tokens."""
     torch.manual_seed(0)
@@ -343,7 +344,7 @@ def test_a_fixed_grpo_step_still_plans_its_generation_rows(monkeypatch):
     same under grpo (its generation rows are the planner's); SFT's stays unplanned."""
     from accelerate import Accelerator
 
-    from llmtune.planning import plan_run
+    from llmtune.plan.planning import plan_run
 
     monkeypatch.setattr(timing, "measure_rates", lambda *a, **k: RATES)
     acc = Accelerator(cpu=True)

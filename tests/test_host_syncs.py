@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from llmtune.memory import PeakMemoryTracker
+from llmtune.ops.measure import PeakMemoryTracker
 
 aten = torch.ops.aten
 PROBE = "LLMTUNE_HOST_SYNCS_PROBE"  # set in the process that trains on the device: {"recipes": {...}, "out": path}
@@ -100,11 +100,11 @@ if os.environ.get(PROBE):  # only in the process that test_a_step_waits_for_the_
         torch.utils.rename_privateuse1_backend("privateuseone")
 
     def test_count_host_waits_on_the_device(device_as_a_backend, on_device, monkeypatch):  # noqa: F811
-        import llmtune.train
+        import llmtune.run.loop
         from llmtune.recipe import load_recipe
 
         probe = json.loads(os.environ[PROBE])
-        real_tolist, real_set_lr = OnDevice.tolist, llmtune.train.set_learning_rate
+        real_tolist, real_set_lr = OnDevice.tolist, llmtune.run.loop.set_learning_rate
         counted = {}
         for case, recipe in probe["recipes"].items():
             waits = HostWaits(DEVICE)
@@ -120,10 +120,10 @@ if os.environ.get(PROBE):  # only in the process that test_a_step_waits_for_the_
                 return real_set_lr(optimizer, recipe, step)
 
             monkeypatch.setattr(OnDevice, "tolist", tolist)
-            monkeypatch.setattr(llmtune.train, "set_learning_rate", set_learning_rate)
-            run = llmtune.train.build(load_recipe(recipe))
+            monkeypatch.setattr(llmtune.run.loop, "set_learning_rate", set_learning_rate)
+            run = llmtune.run.setup.build(load_recipe(recipe))
             with waits, pytest.raises(Stop):
-                llmtune.train.fit(run)
+                llmtune.run.loop.fit(run)
             counted[case] = {
                 "micro_batches": run.plan.grad_accum_steps,
                 "waits": dict(waits.waits.get(COUNTED_STEP, {})),

@@ -1,4 +1,4 @@
-"""CUDA's SDPA kernels as the estimator's CPU trace stands them in (`llmtune.memory.kernels`), against the kernels'
+"""CUDA's SDPA kernels as the estimator's CPU trace stands them in (`llmtune.plan.kernels`), against the kernels'
 own sources: each test traces one attention call's forward and backward through `CudaKernels` on fake tensors and
 checks the bytes kept for backward, or allocated in it, against the figure worked out from the C++ source it cites
 (PyTorch's aten/src/ATen/native/transformers/), not from the stand-in's own formulas."""
@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
-from llmtune.memory.kernels import CudaKernels, cuda_sdpa_backend
-from llmtune.memory.measure import LiveStorageCounter
-from llmtune.model import _context_fn
+from llmtune.model.blocks import _context_fn
+from llmtune.ops.measure import LiveStorageCounter
+from llmtune.plan.kernels import CudaKernels, cuda_sdpa_backend
 
 BF16, F32 = 2, 4  # bytes an element
 
@@ -110,7 +110,7 @@ def test_flash_backward_with_gqa_allocates_dk_dv_at_the_query_heads() -> None:
 
 
 def test_selective_checkpointing_keeps_the_attention_op_outputs() -> None:
-    """torch's selective checkpointing keeps what its policy saves (llmtune.model._KEPT_OPS, which names
+    """torch's selective checkpointing keeps what its policy saves (llmtune.model.blocks._KEPT_OPS, which names
     `_scaled_dot_product_efficient_attention`): all the op's outputs (the output, the log-sum-exp, seed and offset)
     stay from forward to backward, and recomputation reuses them. Plain checkpointing keeps none. The bias is no
     kept op's output: recomputed."""
@@ -155,7 +155,7 @@ def test_attention_flops_with_grouped_query_heads_are_those_at_the_query_heads()
     """The flash kernel broadcasts K and V to the query's heads: its FLOPs are multi-head attention's at the query's
     heads (torch 2.13's formula; 2.11's refused the shapes, which stopped planning a GQA model with
     flash_attention_2 on the floor versions)."""
-    from llmtune.timing import Work
+    from llmtune.plan.timing import Work
 
     flash = torch.ops.aten._scaled_dot_product_flash_attention.default
     flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
@@ -178,7 +178,7 @@ def test_a_cuda_step_holds_two_cublas_workspaces_in_the_caching_allocator():
     (`:4096:8`); one handle for the forward's thread and one for autograd's backward thread. A CPU step has none."""
     from test_memory import tiny_config
 
-    from llmtune.memory import estimate
+    from llmtune.plan import estimate
 
     kw = dict(micro_batch_size=2, seq_len=32, precision="bf16", gradient_checkpointing=False)
     cuda, cpu = estimate(tiny_config("llama"), device="cuda", **kw), estimate(tiny_config("llama"), device="cpu", **kw)

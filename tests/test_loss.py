@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.loss import HeadTraffic
-from llmtune.loss import CausalLMWithLoss, LowRank, chunked_cross_entropy, resolve_loss_impl
-from llmtune.memory.measure import PeakMemoryTracker
+from llmtune.ops.loss import CausalLMWithLoss, LowRank, chunked_cross_entropy, resolve_loss_impl
+from llmtune.ops.measure import PeakMemoryTracker
 
 transformers = pytest.importorskip("transformers")
 
@@ -416,7 +416,7 @@ def test_wrapper_lora(checkpointing, autocast):
 def _head_lora(peft, adapters: str, dropout: float = 0.1, **config):
     """llama-untied with LoRA on q_proj and the lm_head: fp32 weights and adapters, the autocast run's bf16, bf16
     weights beside peft's fp32 adapters, or everything bf16 (`peft.adapter_dtype: bf16` under bf16-true)."""
-    from llmtune.model import cast_trained
+    from llmtune.model.adapters import cast_trained
 
     model = _model("llama-untied")
     if adapters in ("fp32-over-bf16", "bf16"):
@@ -479,7 +479,7 @@ def test_wrapper_lora_on_lm_head_disabled_is_the_base_model():
 
 def test_dora_on_lm_head_is_left_to_hf_with_a_reason():
     peft = pytest.importorskip("peft")
-    from llmtune.loss import runnable_impl
+    from llmtune.ops.loss import runnable_impl
 
     lora = _head_lora(peft, "fp32", use_dora=True)
     with pytest.raises(ValueError, match=r"does not compute a DoraLinearVariant \(DoRA\) on the lm_head; use 'hf'"):
@@ -531,7 +531,7 @@ def test_resolve_refuses_what_chunked_does_not_reproduce(caplog):
     # Unknown model type: auto stays on HF; explicit chunked is allowed with a warning.
     unknown = transformers.BloomConfig()
     assert resolve_loss_impl("auto", unknown) == "hf"
-    with caplog.at_level(logging.WARNING, logger="llmtune.loss"):
+    with caplog.at_level(logging.WARNING, logger="llmtune.ops.loss"):
         assert resolve_loss_impl("chunked", unknown) == "chunked"
     assert "not verified" in caplog.text
     with pytest.raises(ValueError, match="loss_impl must be"):
@@ -595,9 +595,9 @@ def test_a_gpu_plan_runs_the_planned_chunk_of_at_least_1024_rows_reading_the_hea
     plan carries to training (`BatchPlan.chunk_rows`), at least 1024 rows, and the loss of a step run with it reads the
     head weight twice a chunk (its logits, the hidden states' gradient) over the trained tokens alone, and allocates
     nothing of the weight's size but the fp32 gradient it accumulates into, in place."""
-    from llmtune.memory import recipe_for_model
     from llmtune.objectives import objective_named
-    from llmtune.planning import plan_recipe
+    from llmtune.plan import recipe_for_model
+    from llmtune.plan.planning import plan_recipe
 
     vocab = 16384
     config = transformers.LlamaConfig(
@@ -641,7 +641,7 @@ def test_the_head_weight_gradient_is_summed_in_place_under_autocast():
 def test_the_loss_never_waits_for_the_device(objective):
     """No host synchronisation (`.item()`, `nonzero`, ...) in the loss's forward and backward: the trained rows come
     with the batch from its collate, found on the host (`loss_rows`). The decoder's forward is not counted
-    (transformers' mask creation syncs once; llmtune.attention's packed path is what avoids it)."""
+    (transformers' mask creation syncs once; llmtune.model.attention's packed path is what avoids it)."""
     from llmtune.objectives import objective_named
     from llmtune.recipe import PreferenceConfig
 
@@ -652,7 +652,7 @@ def test_the_loss_never_waits_for_the_device(objective):
         module = CausalLMWithLoss(model, "chunked", chunk_size=8)
         batch = _sft_batch(rows=2, length=20, prompt=5, vocab=model.config.vocab_size)
     else:
-        from llmtune.preference import PreferenceModel
+        from llmtune.objectives.pair_losses import PreferenceModel
 
         module = PreferenceModel(model, "chunked", "dpo", PreferenceConfig(), "precomputed", chunk_size=8)
         pair = {"input_ids": list(range(3, 19)), "labels": [-100] * 4 + list(range(7, 11)) + [-100] * 4 + [5] * 4}
@@ -669,7 +669,7 @@ def test_training_runs_the_chunk_its_plan_carries(tiny_recipe, micro_batch_size)
     traced where it planned (auto), and which a micro-batch fixed by the recipe takes from the same rule (the CPU's,
     here)."""
     from llmtune.recipe import load_recipe
-    from llmtune.train import build
+    from llmtune.run.setup import build
 
     run = build(load_recipe(tiny_recipe(training__micro_batch_size=micro_batch_size)))
     module = run.accelerator.unwrap_model(run.model)

@@ -13,15 +13,16 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
 
-from llmtune.attention import attention_for
 from llmtune.data.batch import to_device
-from llmtune.loss import CausalLMWithLoss
-from llmtune.memory import MemoryPlanError, default_budget, plan_micro_batch
-from llmtune.memory.estimate import LoraSpec, estimate
-from llmtune.memory.measure import PeakMemoryTracker
-from llmtune.model import apply_checkpointing, cast_trained
+from llmtune.model.adapters import cast_trained
+from llmtune.model.attention import attention_for
+from llmtune.model.blocks import apply_checkpointing
 from llmtune.objectives import objective_named
-from llmtune.optim import BF16AdamW
+from llmtune.ops.loss import CausalLMWithLoss
+from llmtune.ops.measure import PeakMemoryTracker
+from llmtune.ops.optim import BF16AdamW
+from llmtune.plan import MemoryPlanError, default_budget, plan_micro_batch
+from llmtune.plan.estimate import LoraSpec, estimate
 from llmtune.recipe import Checkpointing
 from llmtune.units import format_bytes, parse_bytes
 
@@ -438,7 +439,8 @@ def test_flash_attention_2_is_planned_without_flash_attn() -> None:
 def test_flash_attention_2_without_the_package_is_one_line_for_training() -> None:
     import importlib.util
 
-    from llmtune.model import SetupError, check_attn_implementation
+    from llmtune.errors import SetupError
+    from llmtune.model.load import check_attn_implementation
 
     if importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed here")
@@ -452,7 +454,8 @@ def test_gemma2_with_sdpa_is_refused_in_one_line_by_training_and_estimate(monkey
     from transformers import Gemma2Config
     from transformers.models.gemma2.modeling_gemma2 import Gemma2PreTrainedModel
 
-    from llmtune.model import SetupError, check_attn_implementation
+    from llmtune.errors import SetupError
+    from llmtune.model.load import check_attn_implementation
 
     cfg = Gemma2Config(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -505,7 +508,7 @@ def test_trained_fraction_scales_what_the_chunked_loss_selects() -> None:
 
 def test_cuda_autocast_lists_where_they_differ_from_cpu() -> None:
     """CUDA autocast runs softmax, layer_norm, pow, exp... in fp32; CPU autocast does not."""
-    from llmtune.memory.kernels import CudaKernels
+    from llmtune.plan.kernels import CudaKernels
 
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     ops = {
@@ -525,7 +528,7 @@ def test_cuda_autocast_lists_where_they_differ_from_cpu() -> None:
 
 
 def test_cuda_sdpa_backend_choice() -> None:
-    from llmtune.memory.kernels import cuda_sdpa_backend
+    from llmtune.plan.kernels import cuda_sdpa_backend
 
     q16, q32 = torch.empty(1, 4, 8, 64, dtype=torch.bfloat16), torch.empty(1, 4, 8, 64)
     mask = torch.ones(1, 1, 8, 8, dtype=torch.bool)
@@ -548,7 +551,8 @@ def test_cuda_plan_keeps_no_attention_matrix_under_dropout() -> None:
 
 
 def test_bitsandbytes_settings_planned_for_a_cpu_are_refused_as_training_refuses_them() -> None:
-    from llmtune.model import SetupError, check_bitsandbytes_device
+    from llmtune.errors import SetupError
+    from llmtune.model.precision import check_bitsandbytes_device
 
     kw = dict(micro_batch_size=1, seq_len=32, precision="fp32", gradient_checkpointing=False, device="cpu")
     for estimate_kw, training_args in (
@@ -582,7 +586,7 @@ def test_preference_step_estimate_matches_measured(objective: str, reference: st
 
     from peft import LoraConfig, get_peft_model
 
-    from llmtune.preference import PreferenceModel, collate_pairs
+    from llmtune.objectives.pair_losses import PreferenceModel, collate_pairs
     from llmtune.recipe import PreferenceConfig
 
     cfg, micro, seq = tiny_config("llama"), 2, 128
@@ -663,7 +667,7 @@ def test_preference_log_probs_at_temperature_one_leave_the_logits_as_they_are() 
     """GRPO scores its samples at the sampling temperature; at 1.0 (every preference objective) the logits must not
     be divided: a pass over N x V fp32 logits and a transient their size (it cost ORPO and SimPO 2 ops and ~1 MB of
     traffic on a toy step)."""
-    from llmtune.preference import labelled_logps
+    from llmtune.objectives.pair_losses import labelled_logps
 
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     batch = {"input_ids": torch.zeros((1, 8), dtype=torch.long), "labels": torch.zeros((1, 8), dtype=torch.long)}

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from llmtune.cli import main
-from llmtune.metrics import TRACKER_MODULES, ModelFlops, datasheet_peak_flops, model_flops, peak_flops
-from llmtune.plot import CURVES_FILE, PlotDependencyError, PlotError, add_plot_parser, plot_run, read_metrics
+from llmtune.cli.main import main
+from llmtune.cli.plot import CURVES_FILE, PlotDependencyError, PlotError, add_plot_parser, plot_run, read_metrics
+from llmtune.run.metrics import TRACKER_MODULES, ModelFlops, datasheet_peak_flops, model_flops, peak_flops
 
 STEP_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_bytes", "skipped_steps", "time"}
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -200,8 +200,8 @@ def test_plot_errors_are_clear(tmp_path, monkeypatch, capsys):
 def test_plot_estimate_draws_memory_against_speed(tiny_recipe, tmp_path):
     from transformers import AutoConfig
 
-    from llmtune.memory import plan_micro_batch
-    from llmtune.plot import plot_estimate
+    from llmtune.cli.plot import plot_estimate
+    from llmtune.plan import plan_micro_batch
     from llmtune.recipe import load_recipe
 
     recipe = load_recipe(tiny_recipe())
@@ -217,7 +217,7 @@ def test_plot_estimate_draws_memory_against_speed(tiny_recipe, tmp_path):
 def test_datasheet_peak_bounds_a_large_matmul_on_this_gpu():
     """The table holds dense figures: a large bf16 matmul gets close to it but never above (a sparse figure,
     2x, or another card's would show here)."""
-    from llmtune.metrics import measure_peak_flops
+    from llmtune.run.metrics import measure_peak_flops
 
     name = torch.cuda.get_device_name()
     known = datasheet_peak_flops(name)

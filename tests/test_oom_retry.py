@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 from test_distributed import launch, losses
 
+from llmtune.errors import EXIT_PREEMPTED
 from llmtune.recipe import load_recipe
-from llmtune.train import EXIT_PREEMPTED, OOM_FILE, train
+from llmtune.run.loop import train
+from llmtune.run.resilience import OOM_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [
@@ -30,16 +32,16 @@ pytestmark = [
 # went into DeepSpeed's buffers (and after the checkpoint of step 2).
 OOM_IN_BACKWARD = """
 import sys, torch
-import llmtune.parallel
-from llmtune.cli import main
+import llmtune.parallel.engines
+from llmtune.cli.main import main
 
-real, calls = llmtune.parallel.backward, {"n": 0}
+real, calls = llmtune.parallel.engines.backward, {"n": 0}
 def failing(*args, **kwargs):
     calls["n"] += 1
     if calls["n"] == 10:
         raise torch.OutOfMemoryError("injected: CUDA out of memory")
     return real(*args, **kwargs)
-llmtune.parallel.backward = failing
+llmtune.parallel.engines.backward = failing
 sys.exit(main(["train", *sys.argv[1:]]))
 """
 

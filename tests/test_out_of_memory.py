@@ -15,14 +15,15 @@ import pytest
 from test_grpo import REWARDS, write_prompts
 from test_preference import preference_recipe, write_pairs
 
-from llmtune.train import EXIT_PREEMPTED, OOM_FILE
+from llmtune.errors import EXIT_PREEMPTED
+from llmtune.run.resilience import OOM_FILE
 
 pytestmark = pytest.mark.slow
 
 # Raises torch.OutOfMemoryError at the first call of OOM_AT (`module:attribute`, or `module:Class.method`).
 OOM_ENTRY = """
 import importlib, os, sys, torch
-from llmtune.cli import main
+from llmtune.cli.main import main
 
 module, name = os.environ["OOM_AT"].split(":")
 owner = importlib.import_module(module)
@@ -39,7 +40,7 @@ sys.exit(main(["train", *sys.argv[1:]]))
 
 def run_entry(tmp_path: Path, recipe: Path, *overrides: str, oom_at: str = "none:none", **env: str):
     entry = tmp_path / "oom_entry.py"
-    entry.write_text(OOM_ENTRY if oom_at != "none:none" else "import sys\nfrom llmtune.cli import main\n"
+    entry.write_text(OOM_ENTRY if oom_at != "none:none" else "import sys\nfrom llmtune.cli.main import main\n"
                      "sys.exit(main(['train', *sys.argv[1:]]))\n")  # fmt: skip
     cmd = [sys.executable, str(entry), "--recipe", str(recipe), *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OOM_AT": oom_at, **env})
@@ -56,7 +57,7 @@ def test_dpo_reference_out_of_memory_stops_and_the_same_command_resumes_with_hal
     pairs = write_pairs(tmp_path / "pairs.jsonl")
     recipe = preference_recipe(tiny_recipe, pairs, "dpo", training__max_steps=2, checkpoint__resume="auto")
     run = tmp_path / "run"
-    done = run_entry(tmp_path, recipe, oom_at="llmtune.preference:compute_reference")
+    done = run_entry(tmp_path, recipe, oom_at="llmtune.objectives.pair_losses:compute_reference")
     assert done.returncode == EXIT_PREEMPTED, done.stderr[-3000:]
     (line,) = error_lines(done.stderr)
     assert "out of memory in the reference log-probs at micro-batch 4" in line and "micro-batch 2" in line
@@ -98,7 +99,7 @@ def test_grpo_generation_out_of_memory_stops_and_the_same_command_generates_fewe
 
 def test_out_of_memory_gathering_the_final_model_stops_in_one_line_keeping_the_last_step(tiny_recipe, tmp_path):
     recipe = tiny_recipe(training__max_steps=3, checkpoint__every_n_steps=2)
-    done = run_entry(tmp_path, recipe, oom_at="llmtune.parallel:full_state_dict")
+    done = run_entry(tmp_path, recipe, oom_at="llmtune.parallel.engines:full_state_dict")
     assert done.returncode == 1, done.stderr[-3000:]
     (line,) = error_lines(done.stderr)
     assert line.startswith("llmtune: training stopped: out of memory gathering the whole model"), line

@@ -1,5 +1,5 @@
 """A run's output_dir: a second run never destroys the first, `~` is expanded, and one run at a time holds it
-(llmtune.rundir) -- through the real entry point, with real runs and a real second process."""
+(llmtune.run.rundir) -- through the real entry point, with real runs and a real second process."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 from test_resilience import PAUSING_ENTRY
 
-from llmtune import checkpoint
-from llmtune.cli import main
+from llmtune.cli.main import main
 from llmtune.recipe import load_recipe
-from llmtune.rundir import LOCK_FILE
+from llmtune.run import checkpoint
+from llmtune.run.rundir import LOCK_FILE
 
 
 def snapshot(run: Path) -> dict[str, bytes]:

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from llmtune.loss import CausalLMWithLoss
-from llmtune.model import load_model
+from llmtune.model.load import load_model
 from llmtune.objectives import objective_for
+from llmtune.ops.loss import CausalLMWithLoss
 from llmtune.recipe import load_recipe
 
 # Two rows of documents (lengths): a micro-batch of 2, the second row shorter (padded in the batch).
@@ -165,9 +165,9 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
 
 @contextlib.contextmanager
 def varlen_kernel(kernel: str, monkeypatch):
-    """`llmtune.attention`'s kernel forced: flash's varlen (as on a GPU, by the reference above), the CPU's
+    """`llmtune.model.attention`'s kernel forced: flash's varlen (as on a GPU, by the reference above), the CPU's
     per-document SDPA, or its block-mask SDPA."""
-    import llmtune.attention as attention
+    import llmtune.model.attention as attention
 
     if kernel == "flash":
         monkeypatch.setattr(attention, "_flash_kernel", lambda: _reference_varlen)
@@ -255,7 +255,7 @@ def test_under_mixed_precision_a_gpu_runs_flashs_varlen_kernel_in_16_bit(tiny_re
     """bf16 autocast (mixed precision, fp32 weights): q and k reach attention in fp32, promoted by the rotary embeddings
     of the fp32 residual stream. Attention casts them to bf16 as SDPA would, so a GPU runs flash's 16-bit varlen kernel.
     Before, a GPU fell back to SDPA once per document, reading the offsets on the host in every layer."""
-    import llmtune.attention as attention
+    import llmtune.model.attention as attention
 
     model, objective = _model(tiny_recipe, "sdpa")
     batch = objective.collate(_packed_rows(_documents(LONG_ROWS), LONG_ROWS), pad_token_id=0, packed=True)

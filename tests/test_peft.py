@@ -14,12 +14,14 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from llmtune.cli import main
+from llmtune.cli.main import main
+from llmtune.cli.merge import add_merge_parser
 from llmtune.data import batch_for_step, collate
-from llmtune.merge import MergeError, add_merge_parser, merge_run, save_base_weights
-from llmtune.model import count_parameters
+from llmtune.model.adapters import count_parameters
+from llmtune.model.merge import MergeError, merge_run, save_base_weights
 from llmtune.recipe import load_recipe
-from llmtune.train import build, fit
+from llmtune.run.loop import fit
+from llmtune.run.setup import build
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = 4
@@ -191,7 +193,7 @@ def test_final_holds_the_adapter_only(trained, base_dir):
 def test_bf16_true_keeps_adapters_in_fp32_unless_asked_for_bf16(tmp_path, base_dir, tiny_data, adapter_dtype):
     """bf16-true stores the frozen base in bf16; the adapters train in fp32 (peft's autocast_adapter_dtype), or in
     bf16 with `peft.adapter_dtype` bf16, then under BF16AdamW (stochastic rounding) and saved as bf16."""
-    from llmtune.optim import BF16AdamW
+    from llmtune.ops.optim import BF16AdamW
 
     recipe = write_recipe(
         tmp_path, base_dir, tiny_data, training__precision="bf16-true", peft__adapter_dtype=adapter_dtype
@@ -211,7 +213,7 @@ def test_qlora_upcasts_the_base_beside_fp32_adapters_only(tmp_path, base_dir, ti
     """peft's prepare_model_for_kbit_training, whose fp32 upcast of every weight that is not 4-bit suits fp32
     adapters, runs beside them only; bf16 adapters keep the base bf16. (The 4-bit load needs CUDA: the base here is
     the bf16 model it wraps, whose linear layers would be 4-bit.)"""
-    from llmtune.parallelize import adapt
+    from llmtune.run.parallelize import adapt
 
     recipe = load_recipe(
         write_recipe(
@@ -466,7 +468,8 @@ def test_qlora_refuses_a_bitsandbytes_that_keeps_every_4bit_input(
     import importlib.metadata
     import importlib.util
 
-    from llmtune.model import SetupError, check_requirements
+    from llmtune.errors import SetupError
+    from llmtune.model.precision import check_requirements
 
     find_spec, version = importlib.util.find_spec, importlib.metadata.version
     monkeypatch.setattr(

@@ -26,9 +26,11 @@ from transformers.integrations import hub_kernels
 
 from llmtune.data import batch_for_step
 from llmtune.data.batch import to_device
-from llmtune.model import SetupError
+from llmtune.errors import SetupError
 from llmtune.recipe import load_recipe
-from llmtune.train import build, collate_for, train
+from llmtune.run.batches import collate_for
+from llmtune.run.loop import train
+from llmtune.run.setup import build
 
 
 @pytest.fixture

@@ -11,12 +11,11 @@ import pytest
 import torch
 from test_memory import assert_close, measured_peak, real_batch, tiny_config
 
-from llmtune.cli import main
-from llmtune.memory import MemoryPlanError, checkpointing_choices, format_plan, plan_micro_batch
-from llmtune.memory.cache import clear_traces
-from llmtune.memory.estimate import estimate, estimate_all
-from llmtune.recipe import Checkpointing, RecipeError, load_recipe
-from llmtune.timing import (
+from llmtune.cli.main import main
+from llmtune.plan import MemoryPlanError, checkpointing_choices, format_plan, plan_micro_batch
+from llmtune.plan.cache import clear_traces
+from llmtune.plan.estimate import estimate, estimate_all
+from llmtune.plan.timing import (
     CPU_PROBE_FLOPS,
     Rates,
     Work,
@@ -28,6 +27,7 @@ from llmtune.timing import (
     measure_rates,
     narrow_model,
 )
+from llmtune.recipe import Checkpointing, RecipeError, load_recipe
 
 # Fixed rates: the choice then depends on the traced work only, the same on every machine.
 RATES = Rates(flops_per_s=1e11, bytes_per_s=2e10, seconds_per_op=2e-5, source="test")
@@ -100,7 +100,7 @@ def stuck_forever(*args, **kwargs):
 def test_forked_traces_that_never_answer_are_run_in_this_process(monkeypatch):
     """A worker forked while another thread held a lock waits forever (the floor suite hung there once): the traces
     are then given up and run in this process, with the same estimates, and later plans do not fork again."""
-    from llmtune.memory import cache
+    from llmtune.plan import cache
 
     cfg = tiny_config("llama", layers=6)
     settings = [dict(micro_batch_size=2, gradient_checkpointing=c, **KW) for c in (False, True, Checkpointing(2))]
@@ -122,7 +122,7 @@ def test_a_process_with_other_threads_traces_without_forking(monkeypatch):
     workers here would wait forever, and the 1 s guard would record it)."""
     import threading
 
-    from llmtune.memory import cache
+    from llmtune.plan import cache
 
     cfg = tiny_config("llama", layers=6)
     settings = [dict(micro_batch_size=2, gradient_checkpointing=c, **KW) for c in (False, True, Checkpointing(2))]
@@ -159,8 +159,8 @@ def test_the_traced_ops_are_the_ops_a_real_step_dispatches(spec):
     a dispatch on a fake tensor, ~1400 a layer under checkpointing, and was once counted with its input's bytes)."""
     from transformers import AutoModelForCausalLM
 
-    from llmtune.loss import CausalLMWithLoss
-    from llmtune.model import apply_checkpointing
+    from llmtune.model.blocks import apply_checkpointing
+    from llmtune.ops.loss import CausalLMWithLoss
 
     cfg = tiny_config("llama", layers=4)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
@@ -427,7 +427,7 @@ def test_estimate_prints_what_it_weighed(capsys, tiny_model_dir):
 def test_planning_leaves_the_runs_random_state_alone(tiny_recipe):
     """The planner measures rates on random tensors before the model is initialised: the weights must not depend
     on whether it ran (the quickstart's accuracy once moved with it)."""
-    from llmtune.train import build
+    from llmtune.run.setup import build
 
     def weights(checkpointing) -> list[torch.Tensor]:
         run = build(load_recipe(tiny_recipe(training__gradient_checkpointing=checkpointing)))
@@ -445,10 +445,10 @@ SP_KW = dict(seq_len=512, precision="bf16", device="cpu", loss="chunked", chunk_
 def test_the_all_to_all_bytes_the_time_model_charges_are_those_a_traced_step_sends(monkeypatch, checkpointing):
     """A degree-2 step of a GQA model traced as one process of its group: every all-to-all it runs (forward, backward,
     a checkpointed layer's recomputation) sends (N - 1) / N of its buffer, and their sum is what the planner charges."""
-    import llmtune.sequence as sequence
-    from llmtune.memory.search import alltoall_bytes
-    from llmtune.memory.settings import settings_of
-    from llmtune.memory.trace import trace_step
+    import llmtune.parallel.sequence as sequence
+    from llmtune.plan.search import alltoall_bytes
+    from llmtune.plan.settings import settings_of
+    from llmtune.plan.trace import trace_step
 
     sent, degree = [], 2
     real = sequence._all_to_all
@@ -499,7 +499,7 @@ def test_auto_splits_rows_across_processes_only_where_whole_rows_do_not_fit():
     [(4, 3, "does not divide the 4 process"), (8, 8, "4 attention heads do not divide by 8")],
 )
 def test_a_fixed_degree_the_processes_or_heads_cannot_take_is_refused_in_one_line(processes, degree, why):
-    from llmtune.memory import SequenceParallelError
+    from llmtune.plan import SequenceParallelError
 
     cfg = tiny_config("llama", layers=2)
     with pytest.raises(SequenceParallelError, match=why) as err:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmtune.optim import BF16AdamW, make_optimizer, stochastic_round_
-from llmtune.parallel import optimizer_step
+from llmtune.ops.optim import BF16AdamW, make_optimizer, stochastic_round_
+from llmtune.parallel.engines import optimizer_step
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 
@@ -70,7 +70,7 @@ def test_bf16_adamw_compiles_on_a_cpu_only_for_models_that_repay_it():
     """Compiling costs a CPU process 4-11 s and saves 5-14 ns per parameter a step: from 2^25 parameters it is
     repaid within ~65 steps; a smaller model keeps the eager step. On CUDA it always compiles. (Meta tensors: sizes
     without memory.)"""
-    from llmtune.optim import CPU_COMPILE_MIN_PARAMETERS, build_optimizer
+    from llmtune.ops.optim import CPU_COMPILE_MIN_PARAMETERS, build_optimizer
 
     def param(numel: int) -> torch.nn.Parameter:
         return torch.nn.Parameter(torch.empty(numel, dtype=torch.bfloat16, device="meta"))
@@ -85,7 +85,7 @@ def test_bf16_adamw_rounding_noise_is_uniform_and_independent_for_each_element()
     """What keeps each rounding unbiased: under a step's fresh key, an element's three draws (weight, first and second
     moment) are uniform and independent of each other, and of a neighbour's. Over 4096 random keys, for elements 0, 1
     and 2^16 (a multiplied word's low half repeats every 2^16 elements: one multiply is not enough)."""
-    from llmtune.optim import rounding_noise
+    from llmtune.ops.optim import rounding_noise
 
     keys = torch.randint(-(2**31), 2**31 - 1, (4096, 2), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
     index = torch.tensor([0, 1, 2**16], dtype=torch.int32)
@@ -102,7 +102,7 @@ def test_bf16_adamw_rounding_noise_is_uniform_and_independent_for_each_element()
 def test_make_optimizer_uses_bf16_adamw_for_bf16_weights_only(tiny_recipe, tiny_model_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llmtune.model import apply_peft
+    from llmtune.model.adapters import apply_peft
     from llmtune.recipe import load_recipe
 
     recipe = load_recipe(tiny_recipe(training__precision="bf16-true"))
@@ -205,7 +205,7 @@ def test_fsdp2_reduces_gradients_in_fp32_whatever_the_weights_dtype(precision, t
     resolves from the policy at its first forward."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from llmtune.parallel import shard_fsdp2
+    from llmtune.parallel.engines import shard_fsdp2
 
     dist = torch.distributed
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
@@ -235,13 +235,14 @@ def test_bf16_adamw_steps_each_parameter_in_one_kernel_that_bitcasts_in_register
     model); compiled, a parameter's update is one kernel whatever its chunk count (CHUNK shrunk: 1 and 16 chunks).
     And on a CPU that kernel keeps its values in vector registers: inductor's C++ backend bitcasts a vector element by
     element through memory (`tmpbuf_out[i] = c10::bit_cast<...>`), and the rounding bitcasts six times per element,
-    which made the compiled step 3.2x torch's fused AdamW on a 4M-element tensor; llmtune.inductor_bitcast makes each
+    which made the compiled step 3.2x torch's fused AdamW on a 4M-element tensor; llmtune.ops.inductor_bitcast makes
+    each
     one `at::vec::cast`.
     Compiled afresh here (no cache), with its kernels named to the profiler."""
     from torch._inductor.utils import fresh_cache, run_and_get_code
 
     from benchmarks.optimizer import kernels_profiled, launches
-    from llmtune import optim
+    from llmtune.ops import optim
 
     monkeypatch.setattr(optim, "CHUNK", 256)
     torch._dynamo.reset()
@@ -259,7 +260,7 @@ def test_bf16_adamw_fused_and_eager_steps_round_alike(monkeypatch):
     """The noise is a function of each element's index, so the compiled kernel (whole parameters) and the eager
     fallback (chunks) draw the same; their fp32 math may differ in the last bit (the compiler contracts a * b + c
     into one rounding), which flips a rounding only where the value sits that close to a bf16 boundary."""
-    from llmtune import optim
+    from llmtune.ops import optim
 
     monkeypatch.setattr(optim, "CHUNK", 256)  # the eager step crosses chunk boundaries
     fused, eager = _bf16_params(1000, seed=3), _bf16_params(1000, seed=3)

@@ -19,9 +19,9 @@ import torch
 from conftest import write_recipe
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-import llmtune.preference as P
+import llmtune.objectives.pair_losses as P
 from llmtune.data import DataError, prepare_data
-from llmtune.loss import LowRank
+from llmtune.ops.loss import LowRank
 from llmtune.recipe import DataConfig, PreferenceConfig, RecipeError, SourceConfig, load_recipe
 
 WORDS = "the quick brown fox jumps over lazy dog cat story tell me hello".split()
@@ -110,7 +110,7 @@ def test_token_logps_with_a_lora_head_equal_log_softmax():
 
 
 def paper_loss(objective: str, cfg: PreferenceConfig, pc, pr, rc, rr, nc, nr) -> torch.Tensor:
-    """The papers' formulas, written plainly per pair (no code shared with llmtune.preference)."""
+    """The papers' formulas, written plainly per pair (no code shared with llmtune.objectives.pair_losses)."""
     b = cfg.beta
     if objective == "dpo" and cfg.loss == "sigmoid":  # Rafailov et al. 2023, eq. 7; RPO adds alpha * NLL per token
         return -torch.log(torch.sigmoid(b * ((pc - rc) - (pr - rr)))) + cfg.nll_weight * (-pc / nc)
@@ -453,7 +453,7 @@ def test_a_broken_pair_names_file_row_and_field(tmp_path, tokenizer, bad, messag
 
 
 def test_a_broken_pair_stops_train_with_exit_2(tiny_recipe, tmp_path, capsys):
-    from llmtune.cli import main
+    from llmtune.cli.main import main
 
     path = tmp_path / "pairs.jsonl"
     path.write_text(json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
@@ -463,7 +463,7 @@ def test_a_broken_pair_stops_train_with_exit_2(tiny_recipe, tmp_path, capsys):
 
 
 def test_llmtune_data_show_prints_pairs(tiny_recipe, pairs_file, capsys):
-    from llmtune.cli import main
+    from llmtune.cli.main import main
 
     recipe = tiny_recipe(training__objective="dpo", data__train=[{"path": str(pairs_file), "format": "preference"}])
     assert main(["data", "--recipe", str(recipe), "--show", "1"]) == 0
@@ -518,7 +518,7 @@ def run_losses(output_dir: Path) -> list[float]:
 
 
 def train_recipe(path: Path, *overrides: str) -> dict:
-    from llmtune.train import train
+    from llmtune.run.loop import train
 
     return train(load_recipe(path, list(overrides)))
 
@@ -591,7 +591,7 @@ def test_reference_free_objectives_train_and_log_preference_metrics(tiny_recipe,
         assert 0 <= r["preference_accuracy"] <= 1
     assert Path(summary["final_dir"], "config.json").exists()
     if objective == "orpo":  # `llmtune plot` draws the rewards and the accuracy (one objective is enough)
-        from llmtune.plot import plot_run
+        from llmtune.cli.plot import plot_run
 
         assert plot_run(tmp_path / "run")[0].stat().st_size > 0
 
@@ -613,7 +613,7 @@ def test_dpo_in_bf16_with_checkpointing_trains(tiny_recipe, pairs_file, tmp_path
 def test_dpo_resumes_exactly_after_sigkill(tiny_recipe, pairs_file, tmp_path):
     from test_resilience import PAUSING_ENTRY, entry, losses_by_step, start_and_kill_when
 
-    from llmtune import checkpoint
+    from llmtune.run import checkpoint
 
     recipe = preference_recipe(tiny_recipe, pairs_file, training__max_steps=6, checkpoint__every_n_steps=2)
     train_recipe(recipe, f"output_dir={tmp_path / 'ref'}")  # uninterrupted, in this process
@@ -643,7 +643,7 @@ pathlib.Path.is_file = lambda p: seen(p) and not (os.environ["RANK"] == "1" and 
 RECORD_REFERENCE_DTYPE = """
 import os
 from pathlib import Path
-import llmtune.preference as P
+import llmtune.objectives.pair_losses as P
 forward, dtypes = P.PreferenceModel.forward, set()
 def recording(self, *args, **kwargs):
     if kwargs.get("ref_logps") is not None:
@@ -669,7 +669,7 @@ def dpo_launched(tmp_path_factory, tiny_model_dir, pairs_file) -> Callable[[str]
     "blind-one"), under FSDP2, "bf16" (1 step), each recording the dtype of the reference log-probs it received."""
     from test_distributed import ROOT, RUNS, launch
 
-    from llmtune.train import train
+    from llmtune.run.loop import train
 
     done: dict[str, PreferenceLaunch] = {}
     data = {"data__train": [{"path": str(pairs_file), "format": "preference"}], "data__max_length": 96}
@@ -781,8 +781,8 @@ def test_on_policy_pair_script_rejects_what_the_model_answers(tmp_path):
     `answer` (as eval_accuracy.py) gets from the model, its chosen the training question's own answer."""
     from transformers import AutoTokenizer
 
+    from llmtune.cli.generate import Sampling, answer
     from llmtune.data import render_prompt
-    from llmtune.generate import Sampling, answer
 
     root = Path(__file__).resolve().parents[1]
     tokenizer = AutoTokenizer.from_pretrained(root / "assets" / "quickstart" / "model")

@@ -20,10 +20,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llmtune import assets
-from llmtune.cli import main
+from llmtune.cli.main import main
 from llmtune.data import prepare_data
 from llmtune.recipe import load_recipe
-from llmtune.train import build, evaluate, fit
+from llmtune.run.evaluate import evaluate
+from llmtune.run.loop import fit
+from llmtune.run.setup import build
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2-chat-lora.yaml"
@@ -105,10 +107,10 @@ def test_training_lowers_the_eval_loss(trained):
 def test_generate_answers_in_the_chat_template_and_stops_at_end_of_turn(trained, capsys, monkeypatch):
     """`llmtune generate` on the run (its adapter on the base, unmerged): the prompt is the chat template's, and the
     reply ends because the model emitted `<|im_end|>`, not because the budget ran out."""
-    import llmtune.generate
+    import llmtune.cli.generate
 
     calls: list[tuple[torch.Tensor, torch.Tensor]] = []
-    load_run = llmtune.generate.load_run
+    load_run = llmtune.cli.generate.load_run
 
     def spied_load_run(*args, **kwargs):  # keeps what model.generate was given and returned
         loaded = load_run(*args, **kwargs)
@@ -122,7 +124,7 @@ def test_generate_answers_in_the_chat_template_and_stops_at_end_of_turn(trained,
         loaded.model.generate = spy
         return loaded
 
-    monkeypatch.setattr(llmtune.generate, "load_run", spied_load_run)
+    monkeypatch.setattr(llmtune.cli.generate, "load_run", spied_load_run)
     capsys.readouterr()
     prompt = "Hey! How was your weekend?"
     argv = ["generate", "--run", str(trained.output_dir), "--prompt", prompt, "--max-new-tokens", str(MAX_NEW_TOKENS)]

@@ -80,7 +80,7 @@ def test_value_rules(tmp_path):
 def test_values_no_run_can_use_are_refused_naming_the_key(tmp_path, capsys, override, key):
     """NaN passes every `>= 0` rule (each comparison with it is false): each of these trained, or failed deep inside
     a run, before."""
-    from llmtune.cli import main
+    from llmtune.cli.main import main
 
     path = write(tmp_path / "r.yaml", MINIMAL)
     assert main(["train", "--recipe", str(path), override]) == 2
@@ -230,7 +230,7 @@ def test_compile_auto_compiles_the_decoder_blocks_on_cuda_only(tmp_path, tiny_re
     compile only wraps the block; nothing compiles before a call), eager on a CPU; true / false as set."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llmtune.parallelize import adapt
+    from llmtune.run.parallelize import adapt
 
     def compiled_blocks(device_type: str | None, **overrides) -> list[bool]:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_dir))

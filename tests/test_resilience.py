@@ -15,11 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import llmtune.train as train_module
-from llmtune import checkpoint
-from llmtune.cli import main
+import llmtune.run.batches as batches_module
+from llmtune.cli.main import main
+from llmtune.errors import EXIT_PREEMPTED
+from llmtune.plan.planning import TrainingError
 from llmtune.recipe import load_recipe
-from llmtune.train import EXIT_PREEMPTED, TrainingError, build, fit, lr_factor, train
+from llmtune.run import checkpoint
+from llmtune.run.loop import fit, train
+from llmtune.run.schedule import lr_factor
+from llmtune.run.setup import build
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PAUSING_ENTRY = """
 import os, sys, time
 import accelerate
-from llmtune import checkpoint
-from llmtune.cli import main
+from llmtune.run import checkpoint
+from llmtune.cli.main import main
 
 pause_step = int(os.environ["PAUSE_STEP"])
 if os.environ.get("PAUSE_IN_WRITE") == "1":
@@ -138,13 +142,13 @@ def test_resume_seeks_to_the_saved_step_without_replaying_batches(tiny_recipe, m
     assert [p.name for p in checkpoint.complete_checkpoints(load_recipe(recipe).output_dir)] == ["step-000004"]
 
     requested: list[int] = []
-    real = train_module.batch_for_step
+    real = batches_module.batch_for_step
 
     def spy(data, *, step, **kwargs):
         requested.append(step)
         return real(data, step=step, **kwargs)
 
-    monkeypatch.setattr(train_module, "batch_for_step", spy)
+    monkeypatch.setattr(batches_module, "batch_for_step", spy)
     resumed = build(load_recipe(recipe, ["training.max_steps=6", "checkpoint.resume=auto"]))
     assert resumed.start_step == 4
     fit(resumed)

@@ -11,8 +11,8 @@ import subprocess
 import pytest
 from test_distributed import launch
 
-from llmtune import checkpoint
-from llmtune.cli import main
+from llmtune.cli.main import main
+from llmtune.run import checkpoint
 
 
 def one_error(err: str) -> str:

@@ -1,6 +1,6 @@
 """Every launcher config in recipes/accelerate/ trains for real: 2 CPU processes (gloo) against 1 process.
 
-DDP, FSDP2 (applied by llmtune.parallel), DeepSpeed ZeRO-2 and ZeRO-3, full fine-tuning and LoRA, each
+DDP, FSDP2 (applied by llmtune.parallel.engines), DeepSpeed ZeRO-2 and ZeRO-3, full fine-tuning and LoRA, each
 selected as users select it (`accelerate launch --config_file recipes/accelerate/NAME.yaml`). The model is
 a tiny Llama with saved weights: ZeRO-3 initialises a random model partition by partition, so only weights
 loaded from disk are the same in every engine. The first ZeRO run JIT-compiles DeepSpeed's shm_comm op
@@ -27,9 +27,11 @@ from conftest import TEST_TAG, processes_tagged
 from test_distributed import RUNS, free_port, losses
 from test_resilience import PAUSING_ENTRY
 
-from llmtune import checkpoint
+from llmtune.errors import EXIT_PREEMPTED
 from llmtune.recipe import load_recipe
-from llmtune.train import EXIT_PREEMPTED, OOM_FILE, train
+from llmtune.run import checkpoint
+from llmtune.run.loop import train
+from llmtune.run.resilience import OOM_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "recipes" / "accelerate"
@@ -420,8 +422,8 @@ def test_sigkill_and_resume(engine, method, reference, model_dir, tiny_data, tmp
 # 3rd optimizer step, after the checkpoint of step 2.
 OOM_ENTRY = """
 import os, sys, torch
-import llmtune.parallel, llmtune.train
-from llmtune.cli import main
+import llmtune.parallel.engines, llmtune.run.loop
+from llmtune.cli.main import main
 
 where, calls = os.environ["INJECT_OOM"], {"n": 0}
 def failing(real, at):
@@ -432,9 +434,9 @@ def failing(real, at):
         return real(*args, **kwargs)
     return call
 if where == "backward":
-    llmtune.parallel.backward = failing(llmtune.parallel.backward, 5)
+    llmtune.parallel.engines.backward = failing(llmtune.parallel.engines.backward, 5)
 else:
-    llmtune.parallel.optimizer_step = failing(llmtune.parallel.optimizer_step, 3)
+    llmtune.parallel.engines.optimizer_step = failing(llmtune.parallel.engines.optimizer_step, 3)
 sys.exit(main(["train", *sys.argv[1:]]))
 """
 
@@ -469,24 +471,24 @@ def test_out_of_memory_on_one_process_stops_all_then_resumes_smaller(
 RECORD_PLANS = """
 import json, os
 from pathlib import Path
-import llmtune.train
-fit = llmtune.train.fit
+import llmtune.run.loop
+fit = llmtune.run.loop.fit
 def record_plan(run):
     Path(run.recipe.output_dir).mkdir(parents=True, exist_ok=True)
     Path(run.recipe.output_dir, f"plan-{os.environ['RANK']}.json").write_text(json.dumps(run.plan.to_dict()))
     return fit(run)
-llmtune.train.fit = record_plan
+llmtune.run.loop.fit = record_plan
 """
 # Two clocks that rank the candidates in opposite orders: on rank 0 small micro-batches run fastest (the FLOP rate
 # falls with the rows), on rank 1 large ones (every op costs a second), as a loaded host and an idle one disagree.
 SKEWED_CLOCKS = """
-import llmtune.timing
-from llmtune.timing import Rates
+import llmtune.plan.timing
+from llmtune.plan.timing import Rates
 rates = {
     "0": Rates(1e11, 2e10, 1e-9, "rank 0's clock", flops_by_rows=((48, 1e12), (192, 1e8))),
     "1": Rates(1e11, 2e10, 1.0, "rank 1's clock"),
 }[os.environ["RANK"]]
-llmtune.timing.measure_rates = lambda *args, **kwargs: rates
+llmtune.plan.timing.measure_rates = lambda *args, **kwargs: rates
 """
 # Process 1 does not see the out-of-memory file (another node's disk, a shared one that lags).
 UNSEEN_FILE = """

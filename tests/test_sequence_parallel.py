@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (llmtune.sequence) trains what one process trains.
+"""Ulysses sequence parallelism (llmtune.parallel.sequence) trains what one process trains.
 
 ONE launch of 4 CPU processes (gloo) under FSDP2: a (data 2 x sequence 2) mesh, each packed row of 4096 tokens split
 in two halves, FSDP2 sharding over all four. It runs in turn: SFT on a tiny Llama (GQA, 2 KV heads) then its resume,
@@ -25,13 +25,14 @@ from test_preference import write_pairs
 from test_scale_out import final_tensors, launch, then, write_grpo_recipe
 
 from llmtune.recipe import load_recipe
-from llmtune.train import train
+from llmtune.run.loop import train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 ROW = 4096
 PROCESSES, DEGREE = 4, 2
-# What the launch alone runs with: its Qwen2's MLPs in sequence tiles (llmtune.tiling; 32 tiles of 64 tokens a shard).
+# What the launch alone runs with: its Qwen2's MLPs in sequence tiles (llmtune.model.tiling; 32 tiles of 64 tokens a
+# shard).
 LAUNCH_ONLY = {"qwen2-lora": ["parallel.tiled_mlp=true"]}
 
 # The launch's entry: every all-to-all's bytes to other processes, and the tokens of every micro-batch split, in
@@ -40,10 +41,11 @@ COUNT_ALLTOALL = """
 import os, json
 from pathlib import Path
 import torch.distributed as dist
-import llmtune.train
-from llmtune import sequence
+import llmtune.run.evaluate
+from llmtune.parallel import sequence
 record, phase, runs = {"train": ([], []), "eval": ([], [])}, ["train"], [0]
-plain_alltoall, plain_shard, plain_evaluate = dist.all_to_all_single, sequence.shard_batch, llmtune.train.evaluate
+plain_alltoall, plain_shard = dist.all_to_all_single, sequence.shard_batch
+plain_evaluate = llmtune.run.evaluate.evaluate
 def alltoall(output, input, *args, group=None, **kwargs):
     size = dist.get_world_size(group)
     record[phase[0]][0].append(input.numel() * input.element_size() * (size - 1) // size)
@@ -57,7 +59,8 @@ def evaluate(run):
         return plain_evaluate(run)
     finally:
         phase[0] = "train"
-dist.all_to_all_single, sequence.shard_batch, llmtune.train.evaluate = alltoall, shard, evaluate
+dist.all_to_all_single, sequence.shard_batch = alltoall, shard
+llmtune.run.evaluate.evaluate = evaluate
 def after_run(recipe):
     Path(recipe.output_dir, f"alltoall-{runs[0]}-" + os.environ["RANK"]).write_text(json.dumps(record))
     for sent, tokens in record.values():
@@ -207,7 +210,7 @@ def test_the_alltoall_bytes_equal_their_closed_form(launched, recipes):
     evaluation's forward, once."""
     from transformers import AutoConfig
 
-    from llmtune.sequence import alltoall_bytes_per_layer
+    from llmtune.parallel.sequence import alltoall_bytes_per_layer
 
     config = AutoConfig.from_pretrained(recipes["sft"][0].parent.parent / "llama")
     layers = config.num_hidden_layers

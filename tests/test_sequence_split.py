@@ -1,4 +1,5 @@
-"""What a process of a sequence group receives (llmtune.sequence.shard_batch) and what a split refuses, in one process.
+"""What a process of a sequence group receives (llmtune.parallel.sequence.shard_batch) and what a split refuses, in one
+process.
 Training split along the sequence is compared with one process in tests/test_sequence_parallel.py."""
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from transformers import LlamaConfig
 from llmtune.data import IGNORE, collate
 from llmtune.data.batch import with_documents
 from llmtune.errors import UserError
-from llmtune.loss import loss_rows
-from llmtune.planning import fixed_degree
+from llmtune.ops.loss import loss_rows
+from llmtune.parallel.sequence import SequenceGroup, kv_for_degree, refusal, shard_batch
+from llmtune.plan.planning import fixed_degree
 from llmtune.recipe import load_recipe
-from llmtune.sequence import SequenceGroup, kv_for_degree, refusal, shard_batch
 
 
 def packed_batch() -> dict:

@@ -1,13 +1,13 @@
 """The tiled MLP computes what the MLP computes, with its intermediates one tile at a time (issue 45, item 2).
 
 One forward/backward of a tiny model (fp32, CPU, packed rows of 512 tokens, hidden 64: ALST's rule makes 8 tiles)
-tiled and untiled, through `llmtune.parallelize.adapt` as training applies it: the loss and every gradient but the
+tiled and untiled, through `llmtune.run.parallelize.adapt` as training applies it: the loss and every gradient but the
 MLP weights' are bitwise equal (each output row is computed alike); an MLP weight's gradient sums its tiles' partial
 products in another order than one matmul does, so it agrees within float noise (1e-6). Equal results would also
 pass if nothing were tiled, so forward pre-hooks count the calls of each MLP's first projection: once a tile in
 forward and once again in backward (and again in the recomputation of a checkpointed layer).
 
-Memory: a storage counter (llmtune.memory.measure.LiveStorageCounter) tags every tensor whose last dimension is the
+Memory: a storage counter (llmtune.ops.measure.LiveStorageCounter) tags every tensor whose last dimension is the
 MLP's intermediate width, the MLP's weights frozen (so that no weight gradient has that width), and keeps the peak
 of those bytes across the step: with the decoder layers checkpointed it falls by the tile count.
 """
@@ -22,11 +22,12 @@ import torch
 from test_memory import real_batch, tiny_config
 from transformers import AutoModelForCausalLM, OPTConfig
 
-from llmtune.memory.measure import LiveStorageCounter, iter_baseline_tensors
-from llmtune.model import SetupError, apply_checkpointing, decoder_blocks
-from llmtune.parallelize import adapt
+from llmtune.errors import SetupError
+from llmtune.model.blocks import apply_checkpointing, decoder_blocks
+from llmtune.model.tiling import mlp_tiles, tile_mlp
+from llmtune.ops.measure import LiveStorageCounter, iter_baseline_tensors
 from llmtune.recipe import Checkpointing, load_recipe
-from llmtune.tiling import mlp_tiles, tile_mlp
+from llmtune.run.parallelize import adapt
 
 SEQ = 512  # tokens of the packed row
 TILES = 8  # ALST's rule at hidden 64

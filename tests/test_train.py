@@ -12,10 +12,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from llmtune.cli import main
-from llmtune.model import resolve_precision
+from llmtune.cli.main import main
+from llmtune.model.precision import resolve_precision
 from llmtune.recipe import load_recipe
-from llmtune.train import build, fit, lr_factor
+from llmtune.run.loop import fit
+from llmtune.run.schedule import lr_factor
+from llmtune.run.setup import build
 
 ROOT = Path(__file__).resolve().parents[1]
 METRIC_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_bytes"}
@@ -131,7 +133,7 @@ def test_compile_runs_compiled_blocks_and_matches_eager(tiny_recipe, tmp_path):
 def test_compiled_runs_pad_packed_micro_batches_to_max_length(tiny_recipe, compiled):
     """A compiled block recompiles for every new shape: with compile on, packed micro-batches all get the
     max_length width (the shape the memory plan assumed); eager runs keep the longest row's width."""
-    from llmtune.train import collate_for
+    from llmtune.run.batches import collate_for
 
     run = build(load_recipe(tiny_recipe(training__compile=compiled, data__max_length=96)))
     assert run.data.packed
@@ -158,7 +160,7 @@ def test_checkpointing_lowers_measured_peak_memory(tiny_recipe, tmp_path):
 
 
 def test_auto_micro_batch_fits_the_budget_and_keeps_the_global_batch(tiny_recipe, tiny_model_dir):
-    from llmtune.memory.estimate import estimate
+    from llmtune.plan.estimate import estimate
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     settings = dict(seq_len=48, precision="fp32", gradient_checkpointing=True, loss="chunked", device="cpu")
@@ -237,7 +239,8 @@ def test_a_pretrained_model_trains_in_training_mode(tiny_recipe):
     """from_pretrained returns a model in eval mode, where transformers skips gradient checkpointing and
     dropout; the loop used to train so until its first evaluation (the preference demo peaked at 2.2x)."""
     from llmtune.recipe import load_recipe
-    from llmtune.train import build, fit
+    from llmtune.run.loop import fit
+    from llmtune.run.setup import build
 
     run = build(load_recipe(tiny_recipe(training__gradient_checkpointing=True)))  # the tiny model, from its folder
     modes = []
@@ -260,9 +263,9 @@ def test_a_pretrained_model_trains_in_training_mode(tiny_recipe):
 def test_estimator_names_the_optimizer_training_builds(tiny_recipe, precision, peft, adapters):
     """`optim.optimizer_choice` (what the memory estimator traces) names the optimizer `make_optimizer` builds from
     the adapted model's parameters."""
-    from llmtune.model import load_config, load_model
-    from llmtune.optim import BF16AdamW, make_optimizer, optimizer_choice
-    from llmtune.parallelize import adapt
+    from llmtune.model.load import load_config, load_model
+    from llmtune.ops.optim import BF16AdamW, make_optimizer, optimizer_choice
+    from llmtune.run.parallelize import adapt
 
     recipe = load_recipe(tiny_recipe(training__precision=precision, peft__method=peft, peft__adapter_dtype=adapters))
     model = adapt(load_model(recipe, precision, load_config(recipe.model)), recipe)

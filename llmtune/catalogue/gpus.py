@@ -167,7 +167,7 @@ def datasheet_fp32_flops(device_name: str, tf32: bool) -> float | None:
 
 
 # The link between the GPUs of one node, in GB/s a direction, matched like DATASHEET_PEAKS: what the data-parallel
-# engines' collectives cross (llmtune.communication). SXM boards: NVLink (gen 4 on Hopper: 900 GB/s both ways; gen
+# engines' collectives cross (llmtune.plan.communication). SXM boards: NVLink (gen 4 on Hopper: 900 GB/s both ways; gen
 # 3 on the A100: 600; the export parts H800/A800: 400; gen 2 on the V100 SXM2: 300); NVL cards are bridged in pairs
 # (600 both ways); every other card here talks over PCIe x16 (gen 5 64, gen 4 32, gen 3 16 a direction; GeForce
 # cards without peer-to-peer go through host memory, taken as the same link).

@@ -139,7 +139,7 @@ def collate(
 
 def with_documents(batch: dict[str, Any]) -> dict[str, Any]:
     """A packed micro-batch with its documents, for attention that runs each one's causal block alone
-    (`llmtune.attention`, and transformers' flash_attention_2): the rows read as one flattened sequence, each
+    (`llmtune.model.attention`, and transformers' flash_attention_2): the rows read as one flattened sequence, each
     document and each row's padding one span, as `cu_seq_lens_q/k` (int32 offsets, [documents + 1]) and
     `max_length_q/k` (the longest, a Python int). Computed here on the host, once per micro-batch, so that no
     layer reads the position ids on the device to find them (a synchronisation). transformers' flash path reads
@@ -168,7 +168,7 @@ def document_offsets(position_ids: torch.Tensor) -> torch.Tensor:
 
 def next_tokens(batch: dict[str, Any], key: str, fill: int) -> torch.Tensor:
     """`batch[key]` at the token each position predicts: shifted left by one, `fill` at each row's end; a sequence
-    shard carries it shifted already, as `shift_<key>` (`llmtune.sequence.shard_batch`)."""
+    shard carries it shifted already, as `shift_<key>` (`llmtune.parallel.sequence.shard_batch`)."""
     if f"shift_{key}" in batch:
         return batch[f"shift_{key}"]
     return torch.nn.functional.pad(batch[key], (0, 1), value=fill)[:, 1:]

@@ -9,14 +9,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from llmtune.data import IGNORE
-from llmtune.loss import runnable_impl
+from llmtune.ops.loss import runnable_impl
 from llmtune.recipe import Recipe
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from llmtune.data import PreparedData
-    from llmtune.memory import BatchPlan
 
 
 class Objective(Protocol):
@@ -76,16 +75,29 @@ class FromData:
         return examples
 
 
+class PlannedPeak(Protocol):
+    peak_bytes: int
+
+
+class PlannedBatch(Protocol):
+    """What an objective reads of the run's plan (llmtune.plan.BatchPlan is one): the planner sits above the
+    objectives, since it traces their steps, so they name only the fields they use."""
+
+    micro_batch_size: int
+    generation_rows: int  # grpo: rows a generate call takes (0: all of a process's rows)
+    generation: PlannedPeak | None  # grpo: the predicted peak of such a call
+
+
 @dataclass(frozen=True)
 class AttachContext:
-    """What `Objective.attach` may read of the run being built (llmtune.train.build)."""
+    """What `Objective.attach` may read of the run being built (llmtune.run.setup.build)."""
 
     recipe: Recipe
     accelerator: Accelerator
     precision: str
     loss_impl: str
     pad_token_id: int
-    plan: BatchPlan  # the micro-batch; grpo: the rows of a generate call and their predicted peak
+    plan: PlannedBatch  # the micro-batch; grpo: the rows of a generate call and their predicted peak
     tokenizer: Any
     engine: str
     optimizer: torch.optim.Optimizer  # with the module, what is resident while a step's completions are sampled

@@ -1,5 +1,5 @@
 """GRPO as an objective: each step's prompts become the policy's own completions, rewarded and compared within their
-group (llmtune.grpo), and those completions are what the step trains on.
+group (llmtune.objectives.rollouts), and those completions are what the step trains on.
 
 A step draws global_batch_size / num_generations prompts; each process samples all num_generations completions
 of its own prompts, so a group never spans processes, and the rewards of all processes are gathered to normalise
@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llmtune import grpo, sequence
 from llmtune.data import IGNORE
-from llmtune.generate import pad_id, stop_ids, until_stop
-from llmtune.memory import PeakMemoryTracker
-from llmtune.model import SetupError
+from llmtune.errors import SetupError
+from llmtune.model.decode import pad_id, stop_ids, until_stop
+from llmtune.objectives import rollouts as grpo
 from llmtune.objectives.base import Objective
+from llmtune.ops.measure import PeakMemoryTracker
+from llmtune.parallel import sequence
 from llmtune.recipe import GRPOConfig
 from llmtune.units import format_bytes
 

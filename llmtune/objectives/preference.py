@@ -1,5 +1,6 @@
 """Preference tuning (DPO and its IPO/RPO variants, ORPO, SimPO) as an objective: the loss, log-probs and reference
-are llmtune.preference's; this says how the loop trains them (pairs are the unit, the reference where it runs)."""
+are llmtune.objectives.pair_losses's; this says how the loop trains them (pairs are the unit, the reference where it
+runs)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llmtune import preference, sequence
-from llmtune.model import SetupError, weights_signature
+from llmtune.errors import SetupError
+from llmtune.model.load import weights_signature
+from llmtune.objectives import pair_losses as preference
 from llmtune.objectives.base import FromData, Objective
+from llmtune.parallel import sequence
 from llmtune.recipe import PreferenceConfig
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning: the summed next-token loss over trained tokens (llmtune.loss)."""
+"""Supervised fine-tuning: the summed next-token loss over trained tokens (llmtune.ops.loss)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 
 from llmtune.data import collate
 from llmtune.data.batch import with_documents
-from llmtune.loss import CausalLMWithLoss, loss_rows
 from llmtune.objectives.base import FromData, Objective, trained_tokens
+from llmtune.ops.loss import CausalLMWithLoss, loss_rows
 
 if TYPE_CHECKING:
     from llmtune.data import PreparedData
@@ -30,7 +30,7 @@ class SFT(FromData, Objective):
         examples: list[dict], *, pad_token_id: int, packed: bool, pad_to_multiple_of: int | None = None
     ) -> dict[str, Any]:
         """`llmtune.data.collate`'s micro-batch; packed, with its documents (`with_documents`): the attention
-        implementations that read them (llmtune.attention's, flash_attention_2) run each document alone. With the
+        implementations that read them (llmtune.model.attention's, flash_attention_2) run each document alone. With the
         trained rows (`loss_rows`), found here on the host so that the loss never waits for the device."""
         batch = collate(examples, pad_token_id=pad_token_id, packed=packed, pad_to_multiple_of=pad_to_multiple_of)
         batch["loss_rows"] = loss_rows(batch["labels"])
