@@ -13,7 +13,8 @@ use a small Llama. The tokenizer is trained offline: nothing is downloaded.
 
 Sections (in this order; the memory matrix last, as it takes the time that is left; `--sections` picks):
 - env: versions, the device, which optional packages are present, the MFU peak (datasheet or measured)
-  beside a large measured matmul.
+  beside a large measured matmul, and how the chunked loss sums a 16-bit lm_head's gradient on the device
+  (`llmtune.ops.loss.head_accumulation`: one fp32-output GEMM, or blocks where torch refuses it).
 - mfu, vs_hf, vs_trl (issue 42's hot path, first so that a run cut off still reports them): the Llama-3.2-1B
   shape, full fine-tune, bf16, 8 rows x 2048 tokens a step. mfu: llmtune packed, checkpointing off, its defaults
   otherwise (compile auto, chunked loss); vs_hf: against the HF Trainer at identical settings (unpacked full rows);
@@ -360,6 +361,7 @@ def section_env(ctx: Ctx, out: dict) -> None:
     import peft
     import transformers
 
+    from llmtune.ops.loss import head_accumulation
     from llmtune.run.metrics import measure_peak_flops, peak_flops
 
     out["versions"] = {
@@ -377,6 +379,7 @@ def section_env(ctx: Ctx, out: dict) -> None:
     # Beside it, what a large matmul reaches (the datasheet is an upper bound; a small matmul under-reads).
     size = 8192 if ctx.cuda else 256
     out["measured_matmul"] = {"size": size, "flops": measure_peak_flops(ctx.device, precision, max_size=size)}
+    out["loss_head"] = head_accumulation(ctx.device)  # the path every 16-bit run's loss takes here
     if ctx.cuda:
         free, total = torch.cuda.mem_get_info(ctx.device)
         out["memory"] = {"total_bytes": total, "free_bytes": free}

@@ -32,5 +32,12 @@ class RunFailed(LlmtuneError):
     prefix = "training stopped"
 
 
+class NothingToDo(LlmtuneError):
+    """The command asks for what is already there (a complete run): nothing was changed."""
+
+    exit_code = 0
+    prefix = "nothing to do"
+
+
 class SetupError(UserError, RuntimeError):
     """The recipe asks for something this machine cannot do; raised before any model loads."""

@@ -50,6 +50,12 @@ class ModelConfig:
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = doc(
         "Attention kernel passed to transformers.", "sdpa"
     )
+    experts_implementation: Literal["auto", "eager", "batched_mm", "grouped_mm"] = doc(
+        "Mixture-of-experts models: the routed experts' kernel passed to transformers. auto: grouped_mm (one grouped"
+        " matmul over the tokens sorted by expert) where torch runs it, under training.compile with bf16-true only;"
+        " else eager (a loop over the experts hit). batched_mm copies each token's experts' weights (memory).",
+        "auto",
+    )
     revision: str | None = doc("Hub revision (branch, tag or commit) to load.", None)
     trust_remote_code: bool = doc("Allow custom modelling code from the hub (runs that code!).", False)
     random_init: bool = doc(
@@ -261,7 +267,11 @@ class CheckpointConfig:
 class LoggingConfig:
     every_n_steps: int = doc("Print a line every N steps, its loss and reward averaged over them.", 10)
     report_to: list[str] = doc("Accelerate trackers: tensorboard, wandb, mlflow, trackio.", factory=list)
-    progress_bar: bool = doc("Show a progress bar on the main process.", True)
+    progress_bar: bool = doc(
+        "Show a progress bar on the main process where stderr is a terminal; a log file or CI log gets the step lines"
+        " alone.",
+        True,
+    )
 
 
 @dataclass(frozen=True)
@@ -388,7 +398,8 @@ class ParallelConfig:
     sequence_parallel: int | Literal["auto"] = doc(
         "Processes each packed row is split across along the sequence (Ulysses: all-to-all before and after"
         " attention; docs/long-context.md). auto: the planner's choice among the degrees that divide the process"
-        " count and the model's heads (1 where whole rows fit); N: that degree.",
+        " count and the model's heads and keep a group on one node (1 where whole rows fit); N: that degree (a group"
+        " spanning nodes is timed over the network).",
         "auto",
     )
     tiled_mlp: bool | Literal["auto"] = doc(

@@ -7,8 +7,12 @@ import itertools
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from llmtune.plan.timing import Rates
 
 # Long one-process modules that `make test` runs in its second lane, with the real-model tests (`-m "real or
 # beside"`): the first lane holds the multi-process launches, which want both cores once the floor suite (CI) is done;
@@ -232,3 +236,24 @@ def tiny_recipe(tmp_path, tiny_model_dir, tiny_data):
     """Write a recipe for a tiny run (tmp_path/recipe.yaml, output in tmp_path/run); keyword arguments are dotted
     overrides merged into it."""
     return lambda **overrides: write_recipe(tmp_path / "recipe.yaml", tiny_model_dir, tiny_data, **overrides)
+
+
+def planner_rates() -> Rates:
+    """The time model's rates a test plans with (`llmtune.plan.timing.Rates`): fixed, the planner's choice depends
+    on the traced work only, the same on every machine and at any load."""
+    from llmtune.plan.timing import Rates
+
+    return Rates(flops_per_s=1e11, bytes_per_s=2e10, seconds_per_op=2e-5, source="test")
+
+
+@pytest.fixture
+def fixed_rates(monkeypatch) -> Rates:
+    """This machine's rates fixed (`planner_rates`) for a test whose plans are made on its CPU (`llmtune estimate
+    --device cpu`, `plan_recipe`, a run's `plan_run`) and compared with each other or with a choice: measured, they
+    move with the host's load between two plans of one test (issue 54: two estimates of one recipe, one call apart,
+    planned different peaks on a busy 2-core host). Tests of the measurement call `measure_rates` itself."""
+    from llmtune.plan import timing
+
+    rates = planner_rates()
+    monkeypatch.setattr(timing, "measure_rates", lambda *args, **kwargs: rates)
+    return rates

@@ -141,6 +141,18 @@ def test_sharegpt_rows_render_like_messages(tmp_path, tokenizer):
     assert row_a == row_b
 
 
+def trained_spans(tokenizer, ids: list[int], labels: list[int]) -> list[str]:
+    """The decoded stretches of consecutive trained tokens."""
+    spans, current = [], []
+    for token, label in zip(ids, labels, strict=True):
+        if label != IGNORE:
+            current.append(token)
+        elif current:
+            spans.append(current)
+            current = []
+    return [tokenizer.decode(s) for s in [*spans, current] if s]
+
+
 GENERATION_CHATML = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
@@ -161,17 +173,84 @@ def test_multi_turn_chat_trains_only_assistant_turns(template, tmp_path, tokeniz
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
     row = prepare_data(config(SourceConfig(path=str(path), format="messages")), tokenizer, seed=0).train[0]
     assert row["input_ids"] == tokenizer.apply_chat_template(CHAT, tokenize=True, return_dict=True)["input_ids"]
-    # Group the trained tokens into contiguous spans: exactly one per assistant turn, each its content + end of turn.
-    spans, current = [], []
-    for token, label in zip(row["input_ids"], row["labels"], strict=True):
-        if label != IGNORE:
-            current.append(token)
-        elif current:
-            spans.append(current)
-            current = []
-    spans += [current] if current else []
-    texts = [tokenizer.decode(s).strip() for s in spans]
+    # Exactly one stretch of trained tokens per assistant turn, each its content + end of turn.
+    texts = [span.strip() for span in trained_spans(tokenizer, row["input_ids"], row["labels"])]
     assert texts == [f"{t['content']}<|im_end|>" for t in CHAT if t["role"] == "assistant"]
+
+
+def _gemma_style(generation_tags: bool) -> str:
+    """Gemma-2's shape on the test tokenizer's turn tokens: a system turn raises, the assistant is `model`."""
+    answer = "{{ message['content'] | trim + '<|im_end|>' }}"
+    if generation_tags:
+        answer = "{% generation %}" + answer + "{% endgeneration %}"
+    return (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for message in messages %}"
+        "{% if message['role'] == 'assistant' %}"
+        "{{ '<|im_start|>model\\n' }}" + answer + "{{ '\\n' }}"
+        "{% else %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>\\n' }}"
+        "{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>model\\n' }}{% endif %}"
+    )
+
+
+def _turn(role: str, content: str) -> dict[str, str]:
+    return {"role": role, "content": content}
+
+
+SYSTEM_PAIRS = {  # (the row, each side's completion turns)
+    "one_turn": (
+        {"prompt": CHAT[:2], "chosen": [_turn("assistant", "A story.")], "rejected": "The dog."},
+        (["A story."], ["The dog."]),
+    ),
+    "two_turns": (
+        {
+            "prompt": CHAT[:2],
+            "chosen": [_turn("assistant", "I am fine."), _turn("assistant", "Thank you.")],
+            "rejected": [_turn("assistant", "Hello."), _turn("assistant", "The dog.")],
+        },
+        (["I am fine.", "Thank you."], ["Hello.", "The dog."]),
+    ),
+    "earlier_rounds": (
+        {"prompt": CHAT[:4], "chosen": "A story.", "rejected": "The dog."},
+        (["A story."], ["The dog."]),
+    ),
+    "shared_prefix": (
+        {"chosen": [*CHAT[:2], _turn("assistant", "A story.")], "rejected": [*CHAT[:2], _turn("assistant", "No.")]},
+        (["A story."], ["No."]),
+    ),
+}
+
+
+@pytest.mark.parametrize("generation_tags", [False, True], ids=["located", "generation-tags"])
+@pytest.mark.parametrize("layout", list(SYSTEM_PAIRS))
+def test_pairs_on_a_template_that_refuses_a_system_turn_train_exactly_the_completions(
+    tmp_path, tokenizer, layout, generation_tags
+):
+    # Folding the system turn into the first user turn moves every later turn one place back: the completion's
+    # first turn must still be the first trained (it was skipped, or nothing was trained and the pair refused).
+    tokenizer.chat_template = _gemma_style(generation_tags)
+    row, completions = SYSTEM_PAIRS[layout]
+    path = write_jsonl(tmp_path / "pairs.jsonl", [row])
+    (example,) = prepare_data(config(SourceConfig(path=str(path), format="preference")), tokenizer, seed=0).train
+    split = example["position_ids"].index(0, 1)
+    sides = ((0, split), (split, example["length"]))
+    for (a, b), turns in zip(sides, completions, strict=True):
+        spans = trained_spans(tokenizer, example["input_ids"][a:b], example["labels"][a:b])
+        assert spans == [f"{content}<|im_end|>" for content in turns]
+
+
+@pytest.mark.parametrize("generation_tags", [False, True], ids=["located", "generation-tags"])
+def test_a_chat_on_a_template_that_refuses_a_system_turn_trains_every_answer(tmp_path, tokenizer, generation_tags):
+    tokenizer.chat_template = _gemma_style(generation_tags)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    row = prepare_data(config(SourceConfig(path=str(path), format="messages")), tokenizer, seed=0).train[0]
+    folded = [_turn("user", f"{CHAT[0]['content']}\n\n{CHAT[1]['content']}"), *CHAT[2:]]
+    assert row["input_ids"] == tokenizer.apply_chat_template(folded, tokenize=True, return_dict=True)["input_ids"]
+    spans = trained_spans(tokenizer, row["input_ids"], row["labels"])
+    assert spans == [f"{t['content']}<|im_end|>" for t in CHAT if t["role"] == "assistant"]
 
 
 def test_missing_chat_template_falls_back_to_chatml_with_a_warning(tmp_path, tokenizer, caplog):

@@ -416,3 +416,29 @@ def test_a_run_folder_cannot_opt_itself_into_running_its_code(tiny_model_dir, tm
         main(["generate", "--run", str(run), "--prompt", PROMPT, "--max-new-tokens", "2", "--trust-remote-code"]) == 0
     )
     assert ran.read_text() == "ran"
+
+
+def test_a_system_prompt_opens_the_conversation_in_generate_and_chat(tmp_path, capsys, monkeypatch):
+    """`--system` (generate, chat) and `/system` (chat) put a system turn first, rendered by the run's chat template
+    as training rendered chats with one; a run trained on plain prompts refuses it in one line rather than drop it."""
+    import llmtune.cli.generate as generate
+    from llmtune.data.chat import chat_ids
+
+    folder = write_parrot(tmp_path / "parrot", [2, 5])
+    prompted: list[list[int]] = []
+    real_answer = generate.answer
+    monkeypatch.setattr(generate, "answer", lambda model, tok, ids, *a, **k: prompted.append(ids) or real_answer(
+        model, tok, ids, *a, **k))  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    system, user = {"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}
+    expected = chat_ids(tokenizer, [system, user], add_generation_prompt=True)
+
+    assert cli_generate(capsys, folder, "--system", "Be brief.") == WORD
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/system Be brief.\n{PROMPT}\n\n"))
+    assert main(["chat", "--run", str(folder), "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    assert prompted == [expected, expected]
+    assert "Be brief." in tokenizer.decode(expected)
+
+    plain = generate.LoadedRun(model=None, tokenizer=tokenizer, chat=False, folder=folder)
+    with pytest.raises(generate.GenerateError, match="--system: .* plain prompts"):
+        generate.system_turn(plain, "Be brief.")

@@ -31,6 +31,7 @@ def test_gpu_check_tiny_runs_every_section_and_writes_its_results(tmp_path):
         assert sections[name]["status"] == "skipped" and sections[name]["reason"].startswith("no CUDA"), name
     for name in CPU_SECTIONS:
         assert sections[name]["status"] == "done", (name, sections[name].get("error"))
+    assert sections["env"]["loss_head"].endswith("(cpu has no fp32-output GEMM)")  # on a GPU: which path, and why
     assert sections["bf16_true"]["ok"] and sections["bf16_true"]["optimizer"] == "BF16AdamW"
     assert sections["resume"]["ok"]
     memory = sections["memory"]

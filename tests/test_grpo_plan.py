@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import planner_rates
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 
@@ -25,7 +26,7 @@ from llmtune.cli.main import main
 from llmtune.data import IGNORE
 from llmtune.objectives.rollouts import GRPOModel, GumbelSampling, collate_completions
 from llmtune.ops.measure import PeakMemoryTracker
-from llmtune.plan import BatchPlan, estimate, estimate_settings, plan_for_budget, timing, training_rows
+from llmtune.plan import BatchPlan, estimate, estimate_settings, plan_for_budget, training_rows
 from llmtune.plan.estimate import LoraSpec
 from llmtune.plan.from_recipe import with_generation
 from llmtune.plan.generation import (
@@ -38,7 +39,6 @@ from llmtune.plan.generation import (
     plan_generation_rows,
     values_stay_16_bit,
 )
-from llmtune.plan.timing import Rates
 from llmtune.recipe import (
     DataConfig,
     GRPOConfig,
@@ -51,7 +51,7 @@ from llmtune.recipe import (
 
 TOL = 0.01  # the training step (as tests/test_memory.py)
 GENERATION_OVER = 0.03  # the generation phase: predicted growth within [measured, measured x 1.03]
-RATES = Rates(flops_per_s=1e11, bytes_per_s=2e10, seconds_per_op=2e-5, source="test")
+RATES = planner_rates()
 
 
 def tiny(vocab: int = 512, intermediate: int = 128, **kw) -> LlamaConfig:
@@ -339,14 +339,14 @@ def test_the_planner_chooses_the_generation_rows_within_the_budget():
     assert with_generation(tight, recipe, cfg, None).generation_rows == 16
 
 
-def test_a_fixed_grpo_step_still_plans_its_generation_rows(monkeypatch):
+@pytest.mark.usefixtures("fixed_rates")
+def test_a_fixed_grpo_step_still_plans_its_generation_rows():
     """plan_run: a recipe that fixes the micro-batch and the checkpointing is planned against its budget all the
     same under grpo (its generation rows are the planner's); SFT's stays unplanned."""
     from accelerate import Accelerator
 
     from llmtune.plan.planning import plan_run
 
-    monkeypatch.setattr(timing, "measure_rates", lambda *a, **k: RATES)
     acc = Accelerator(cpu=True)
     recipe = grpo_recipe(micro_batch_size=2, gradient_checkpointing=True)
     recipe = replace(recipe, memory=MemoryConfig(budget="1GiB"))
@@ -369,8 +369,8 @@ def test_the_plan_state_round_trips_with_generation_rows_and_reads_older_checkpo
 # ---------------------------------------------------------------- llmtune estimate
 
 
-def test_estimate_shows_the_generation_phase_beside_the_training_step(tmp_path, tiny_model_dir, capsys, monkeypatch):
-    monkeypatch.setattr(timing, "measure_rates", lambda *a, **k: RATES)
+@pytest.mark.usefixtures("fixed_rates")
+def test_estimate_shows_the_generation_phase_beside_the_training_step(tmp_path, tiny_model_dir, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "what is two plus two?", "answer": "4"}) + "\n")
     recipe = tmp_path / "grpo.yaml"

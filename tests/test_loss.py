@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -9,7 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.loss import HeadTraffic
-from llmtune.ops.loss import CausalLMWithLoss, LowRank, chunked_cross_entropy, resolve_loss_impl
+from llmtune.ops.loss import (
+    CausalLMWithLoss,
+    LowRank,
+    chunked_cross_entropy,
+    head_accumulation,
+    resolve_loss_impl,
+    runnable_impl,
+)
 from llmtune.ops.measure import PeakMemoryTracker
 
 transformers = pytest.importorskip("transformers")
@@ -635,6 +643,50 @@ def test_the_head_weight_gradient_is_summed_in_place_under_autocast():
         chunked_cross_entropy(hidden, weight, labels, chunk_size=32).backward()
     assert sorted(traffic.allocated, key=str) == [torch.bfloat16, torch.float32]
     assert traffic.reads == 1 + 2 * 4  # the cast, then 2 a chunk: 128 trained rows in chunks of 32
+
+
+def test_the_head_says_how_it_sums_a_16_bit_gradient_on_a_cpu(caplog):
+    """A CPU has no fp32-output GEMM: the blocks, and why (`make gpu-check` reports it for its device). A run's set-up
+    says it only where the device has a choice (CUDA): not for a CPU's model, nor for the planner's (fake tensors that
+    are a CPU's whatever it plans for), whose line on a GPU machine would name the wrong path."""
+    from llmtune.ops import loss
+
+    assert head_accumulation("cpu") == (
+        "16-bit products a block of rows at a time, added to the fp32 gradient (cpu has no fp32-output GEMM)"
+    )
+    caplog.set_level(logging.INFO, logger="llmtune")
+    assert runnable_impl(_model("llama-tied"), "chunked") == "chunked"
+    assert not [m for m in caplog.messages if "lm_head gradients summed" in m]
+    loss._say_head_accumulation.__wrapped__(torch.device("cpu"))  # what it would say: the line reaches the log
+    assert [m for m in caplog.messages if "lm_head gradients summed" in m] == [
+        f"chunked loss on cpu: 16-bit lm_head gradients summed by {head_accumulation('cpu')}"
+    ]
+
+
+@pytest.mark.gpu
+def test_the_head_says_once_at_set_up_how_it_sums_a_16_bit_gradient_on_this_gpu(caplog, monkeypatch):
+    """Issue 54: torch's first fp32-output addmm refused an fp32 gradient beside bf16 operands, and the loss took the
+    blocks without a word. A run's set-up (`runnable_impl`, as `Objective.module` calls it) says which path, once;
+    either path sums the weight's gradient as the CPU's blocks do, but for the blocks' bf16 products (a few bf16 ulps,
+    2**-8 = 0.4%, apart in norm)."""
+    from llmtune.ops import loss
+
+    monkeypatch.setattr(loss, "_say_head_accumulation", functools.cache(loss._say_head_accumulation.__wrapped__))
+    caplog.set_level(logging.INFO, logger="llmtune")
+    model = _model("llama-tied").cuda()
+    for _ in range(2):
+        runnable_impl(model, "chunked")
+    said = [m for m in caplog.messages if "lm_head gradients summed" in m]
+    assert said == [f"chunked loss on cuda:0: 16-bit lm_head gradients summed by {head_accumulation('cuda:0')}"]
+
+    hidden, weight, _, labels = _inputs(192, h=96, v=300)
+    grads = {}
+    for device in ("cpu", "cuda"):
+        w = weight.detach().to(device).requires_grad_(True)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            chunked_cross_entropy(hidden.to(device), w, labels.to(device), chunk_size=32).backward()
+        grads[device] = w.grad.cpu()
+    assert _rel_err(grads["cuda"], grads["cpu"]) < 1e-2
 
 
 @pytest.mark.parametrize("objective", ["sft", "dpo"])

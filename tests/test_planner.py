@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import replace
 
 import pytest
 import torch
+from conftest import planner_rates
 from test_memory import assert_close, measured_peak, real_batch, tiny_config
 
 from llmtune.cli.main import main
@@ -29,8 +31,7 @@ from llmtune.plan.timing import (
 )
 from llmtune.recipe import Checkpointing, RecipeError, load_recipe
 
-# Fixed rates: the choice then depends on the traced work only, the same on every machine.
-RATES = Rates(flops_per_s=1e11, bytes_per_s=2e10, seconds_per_op=2e-5, source="test")
+RATES = planner_rates()  # fixed: the choice depends on the traced work only, the same on every machine
 KW = dict(seq_len=64, precision="fp32", device="cpu", loss="chunked", chunk_size=64)  # as measured_peak runs it
 
 
@@ -519,3 +520,43 @@ def test_tiled_mlps_are_taken_only_where_nothing_whole_fits():
     assert not roomy.tiled_mlp and [d["tiled_mlp"] for d in roomy.degrees] == [False]
     tight = plan_micro_batch(cfg, budget_bytes=(tiled + whole) // 2, **common)
     assert tight.tiled_mlp and tight.fits and tight.estimate.settings["tiled_mlp"]
+
+
+def test_sequence_groups_that_span_nodes_send_that_share_of_their_all_to_alls_over_the_network():
+    """Groups of consecutive ranks, nodes filled in rank order (issue 54): a degree that divides a node's processes
+    keeps every group on one node; a wider one, or one that straddles a node's edge, sends to other nodes."""
+    from llmtune.parallel.sequence import off_node_share
+    from llmtune.plan.search import sequence_degrees
+
+    assert [off_node_share(d, 8, 16) for d in (1, 2, 4, 8)] == [0, 0, 0, 0]
+    assert off_node_share(16, 8, 16) == 8 / 15  # 8 of its 15 peers on the other node
+    assert off_node_share(4, 6, 12) == 2 / 3  # ranks 4-7 straddle the nodes 0-5 and 6-11
+    assert off_node_share(4, 4, 4) == off_node_share(4, 16, 4) == 0  # one node holds them all
+    cfg = tiny_config("llama", layers=2)  # 4 heads
+    assert sequence_degrees(cfg, 4, "auto") == sequence_degrees(cfg, 4, "auto", per_node=4) == [1, 2, 4]
+    assert sequence_degrees(cfg, 4, "auto", per_node=2) == [1, 2]
+    assert sequence_degrees(cfg, 4, 4, per_node=2) == [4]  # fixed: as asked, timed over the network
+
+
+@pytest.mark.slow
+def test_auto_keeps_sequence_groups_on_a_node_and_a_fixed_degree_across_nodes_is_timed_over_the_network():
+    """4 processes whose rows only a split in 4 fits: on one node of 4 auto splits them in 4; on nodes of 2 it weighs 1
+    and 2 alone, and its refusal names degree 4 across nodes; fixed at 4 there, it fits, predicted slower than on one
+    node (its all-to-alls over the network)."""
+    cfg = tiny_config("llama", layers=2)
+    rates = replace(RATES, link_bytes_per_s=450e9)  # an NVLink, far faster than the network
+    common = dict(global_batch_size=4, num_processes=4, gradient_checkpointing=True, rates=rates, **SP_KW)
+
+    def peak(degree: int) -> int:  # micro-batch 1, a group's rows accumulated: the least a degree keeps
+        kw = dict(micro_batch_size=1, grad_accum_steps=degree, num_processes=4, sequence_parallel=degree)
+        return estimate(cfg, gradient_checkpointing=True, **kw, **SP_KW).peak_bytes
+
+    budget = (peak(4) + peak(2)) // 2
+    one_node = plan_micro_batch(cfg, budget_bytes=budget, sequence_parallel="auto", processes_per_node=4, **common)
+    assert one_node.sequence_parallel == 4 and [d["sequence_parallel"] for d in one_node.degrees] == [1, 2, 4]
+    across = "parallel.sequence_parallel=4 on these 4 processes (its groups span nodes"
+    with pytest.raises(MemoryPlanError, match=re.escape(across)):
+        plan_micro_batch(cfg, budget_bytes=budget, sequence_parallel="auto", processes_per_node=2, **common)
+    fixed = plan_micro_batch(cfg, budget_bytes=budget, sequence_parallel=4, processes_per_node=2, **common)
+    assert fixed.fits and fixed.sequence_parallel == 4
+    assert fixed.predicted_tokens_per_s < one_node.predicted_tokens_per_s

@@ -3,6 +3,8 @@ go uncounted. Tiny tensors: this CPU may emulate bf16 (~30x slower than fp32).""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -254,6 +256,51 @@ def test_bf16_adamw_steps_each_parameter_in_one_kernel_that_bitcasts_in_register
     kernel = "\n".join(code)
     assert kernel.count("at::vec::cast<") >= 6
     assert "tmpbuf_out[i] = c10::bit_cast" not in kernel  # the scalar detour
+
+
+def _bitcasts(x: torch.Tensor) -> torch.Tensor:
+    """|2x| through its bits: a computed value viewed as int32 and back, which inductor's C++ backend scalarises."""
+    return ((x * 2).view(torch.int32) & 0x7FFFFFFF).view(torch.float32)
+
+
+def test_a_graph_compiled_with_register_bitcasts_has_a_cache_entry_of_its_own():
+    """Inductor's caches (on disk, shared by every process and run) key a graph by its code and inductor's config, not
+    by the patched code generator: a graph compiled without `vector_bitcasts` was served to a compile under it (a run
+    of an older llmtune, a benchmark's baseline), the scalar detour with it, and the reverse. Under the patch a graph
+    has a cache entry of its own (`torch.compiler.config.cache_key_tag`); the third compile, served the first's, shows
+    the cache at work here (a cache that served nothing would pass the second for any key)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+
+    from llmtune.ops.inductor_bitcast import vector_bitcasts
+
+    x = torch.randn(256)
+    with fresh_cache():
+        for patched, served in ((False, False), (True, False), (False, True)):
+            torch._dynamo.reset()  # a new process, as far as compiling goes: only the caches remain
+            counters.clear()
+            with vector_bitcasts() if patched else contextlib.nullcontext():
+                out, code = run_and_get_code(torch.compile(_bitcasts, dynamic=False), x)
+            hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+            assert bool(hits) == served, (patched, dict(counters["inductor"]))
+            if not served:  # compiled here: in registers exactly where patched
+                assert ("at::vec::cast<" in "\n".join(code)) == patched
+            torch.testing.assert_close(out, (2 * x).abs())
+
+
+def test_register_bitcasts_stand_aside_where_torch_bitcasts_vectors_itself(monkeypatch):
+    """The upstream fix (a vector `to_dtype_bitcast` in inductor's C++ backend) makes the patch unnecessary: from the
+    torch that has it, inductor's own is kept and its caches are shared as they are."""
+    from torch._inductor.codegen import cpp
+
+    from llmtune.ops.inductor_bitcast import vector_bitcasts
+
+    upstream = staticmethod(lambda x, dtype, src_dtype: f"at::vec::cast<{cpp.DTYPE_TO_CPP[dtype]}>({x})")
+    monkeypatch.setattr(cpp.CppVecOverrides, "to_dtype_bitcast", upstream)
+    tag = torch.compiler.config.cache_key_tag
+    with vector_bitcasts():
+        assert cpp.CppVecOverrides.__dict__["to_dtype_bitcast"] is upstream
+        assert torch.compiler.config.cache_key_tag == tag
 
 
 def test_bf16_adamw_fused_and_eager_steps_round_alike(monkeypatch):

@@ -134,6 +134,10 @@ def test_sigterm_saves_a_checkpoint_and_exits_75(tiny_recipe, tmp_path):
     state = json.loads((saved / checkpoint.STATE_FILE).read_text())
     assert state["step"] == max(losses_by_step(run)) >= 3
     assert not (run / "final").exists()
+    # The last thing it says is how to continue (the tiny recipe asks for resume=none: the command says to change it).
+    last = proc.stderr.read().strip().splitlines()[-1]
+    assert f"stopped at step {state['step']} of 100000" in last
+    assert last.endswith("run the same command with checkpoint.resume=auto to continue")
 
 
 def test_resume_seeks_to_the_saved_step_without_replaying_batches(tiny_recipe, monkeypatch):
@@ -287,7 +291,8 @@ def test_resume_auto_skips_checkpoints_that_are_not_whole_and_says_why(tiny_reci
     with pytest.raises(checkpoint.ResumeError, match="step-000006: not a whole .*random_states_0.pkl is missing"):
         build(load_recipe(recipe, [f"checkpoint.resume={root / 'step-000006'}"]))
     caplog.set_level("WARNING", logger="llmtune")
-    resumed = build(load_recipe(recipe, ["checkpoint.resume=auto", "training.max_steps=3"]))
+    # More steps than the finished run's 6: the same steps would be a complete run, left as it is.
+    resumed = build(load_recipe(recipe, ["checkpoint.resume=auto", "training.max_steps=7"]))
     assert resumed.start_step == 2
     skipped = [r.getMessage() for r in caplog.records if "resume: skipping" in r.getMessage()]
     assert len(skipped) == 2
@@ -390,7 +395,7 @@ def test_a_lora_resume_whose_adapters_do_not_match_is_refused(tiny_recipe, capsy
     renamed = next(k for k in weights if "lora_A" in k)
     weights[renamed.replace("lora_A", "lora_A_renamed")] = weights.pop(renamed)
     save_file(weights, saved / "model.safetensors")
-    checkpoint.write_manifest(saved)  # a sound checkpoint, written by another adapter setup
+    checkpoint.write_manifest(saved, [checkpoint.file_sizes(saved)])  # a sound checkpoint, another adapter setup
     capsys.readouterr()
     assert main(["train", "--recipe", str(recipe), "training.max_steps=6"]) == 2
     err = capsys.readouterr().err

@@ -4,6 +4,8 @@ Training split along the sequence is compared with one process in tests/test_seq
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -81,3 +83,36 @@ def test_a_degree_the_heads_do_not_divide_is_refused(tmp_path):
         fixed_degree(load_recipe(recipe, ["parallel.sequence_parallel=4"]), config, 4)
     with pytest.raises(UserError, match="sequence_parallel=3 does not divide the 4 process"):
         fixed_degree(load_recipe(recipe, ["parallel.sequence_parallel=3"]), config, 4)
+
+
+@pytest.mark.parametrize(("max_length", "degree"), [(2050, 4), (2048, 3), (96, 1), (96, 2)])
+@pytest.mark.parametrize("objective", ["sft", "simpo"])
+def test_a_compiled_run_collates_packed_rows_to_the_width_the_estimator_traces(tmp_path, max_length, degree, objective):
+    """Under compile every packed micro-batch has one width: max_length rounded up to the degree (2050 at 4: 2052, not
+    lcm's 4100), which is the width `llmtune.plan.step.micro_batch` traces, shard for shard."""
+    from llmtune.objectives import objective_named
+    from llmtune.plan.settings import Settings
+    from llmtune.plan.step import micro_batch
+    from llmtune.recipe import Checkpointing
+    from llmtune.run.batches import collate_for
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text("model: {name_or_path: x}\ndata: {train: [{path: x.jsonl}]}\n")
+    recipe = load_recipe(path, [f"data.max_length={max_length}", "training.compile=true"])
+    run = SimpleNamespace(
+        recipe=recipe,
+        data=SimpleNamespace(packed=True),
+        accelerator=SimpleNamespace(device=torch.device("cpu")),
+        objective=objective_named(objective),
+        tokenizer=SimpleNamespace(pad_token_id=0),
+        sequence=SequenceGroup(degree),
+    )
+    rows = [run.objective.longest_example(n, True) for n in (max_length - 1, max_length // 2)]  # rows first-fit left
+    collated = collate_for(run, rows)["input_ids"]
+    assert collated.shape[1] == -(-max_length // degree) * degree
+    s = Settings(
+        micro_batch_size=2, seq_len=max_length, precision="bf16", checkpointing=Checkpointing(0), chunk_size=64,
+        objective=objective, num_processes=degree, sequence_parallel=degree,
+    )  # fmt: skip
+    traced = micro_batch(objective_named(objective), s)["input_ids"]
+    assert shard_batch(collate_for(run, rows), SequenceGroup(degree))["input_ids"].shape == traced.shape

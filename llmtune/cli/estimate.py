@@ -14,13 +14,18 @@ from llmtune.errors import LlmtuneError
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from llmtune.model.load import resolve_config
-    from llmtune.plan.planning import format_engines, format_how, how, plan_recipe
+    from llmtune.plan.planning import fixed_degree, format_engines, format_how, how, plan_recipe, rows_per_process
+    from llmtune.plan.report import forecasts
     from llmtune.units import parse_bytes
 
     recipe, target = _estimate_target(args)
     recipe = _with_split(recipe, args)
     model = recipe.model
     config = resolve_config(args.config or model.name_or_path, revision=model.revision)
+    # Refused as training refuses it (`plan_run`), before the data is read.
+    rows_per_process(
+        recipe.training.global_batch_size, args.num_processes, fixed_degree(recipe, config, args.num_processes)
+    )
     fraction, data = _plan_data(recipe, args) if args.recipe else (1.0, None)
     where = dict(device=target.device, budget_bytes=target.budget_bytes, num_processes=args.num_processes)
     if args.host_memory:  # a node's, shared by its processes (at most 8 GPUs a node)
@@ -39,16 +44,31 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
         plot_estimate(plan, f"{model.name_or_path}: memory against speed", args.plot)
     answer = how(plan, engines[0].engine if engines else None)
+    untimed = None if forecasts(plan) else _why_no_time(args, target.device, settings["precision"])
     if args.json:
         facts = {"device": target.device, "budget_from": target.why} | ({"data": data} if data else {})
         ranked = {"engines": [c.to_dict() for c in engines]} if engines else {}
-        print(json.dumps(plan.to_dict() | facts | ranked | {"how": answer}))
+        timed = {"predicted_tokens_per_s": None, "time_not_predicted": untimed} if untimed else {}
+        print(json.dumps(plan.to_dict() | facts | ranked | {"how": answer} | timed))
     else:
         _print_estimate(plan, target, model.name_or_path, data, args.plot)
         if engines:
             print("\n".join(format_engines(engines)))
         print("\n" + format_how(answer, target.budget_bytes))
+        if untimed:
+            print(f"time: not predicted: {untimed}")
     return 0
+
+
+def _why_no_time(args: argparse.Namespace, device: str, precision: str) -> str:
+    """Why the plan's speeds only rank its candidates (nominal rates): what it is for has no rates to time it with."""
+    if args.gpu:
+        what = f"--gpu {args.gpu} has no published datasheet peak for {precision} matmuls"
+    elif device == "cuda":
+        what = "no GPU here to measure and no card named (--gpu NAME times with its datasheet)"
+    else:
+        what = "a CPU planned for on a machine with a GPU, which is what this machine measures"
+    return f"{what}; the memory and the micro-batch stand, the speeds above only rank the candidates"
 
 
 def _with_split(recipe: Any, args: argparse.Namespace) -> Any:
@@ -162,29 +182,22 @@ def _planned_share(data: dict[str, Any], share: float, objective: str) -> dict[s
 
 def _hub_unreachable(recipe: Any) -> str | None:
     """Why the recipe's tokenizer or data, where a hub id names them, cannot be read now: the hub does not answer a
-    quick connection (its own client retries for a minute and more before it gives up). None where every name is
-    local, the hub answers, a proxy stands between, or HF_HUB_OFFLINE asks for the cache alone (which is quick)."""
-    import socket
-    import urllib.request
+    quick connection (`hub_unreachable`). None where every name is local, the hub answers, a proxy stands between, or
+    HF_HUB_OFFLINE asks for the cache alone (which is quick)."""
     from pathlib import Path
-    from urllib.parse import urlparse
 
     from huggingface_hub import constants
 
     from llmtune.data.load import on_hub
+    from llmtune.model.load import hub_unreachable
 
     tokenizer = recipe.model.tokenizer or recipe.model.name_or_path
     names = [tokenizer] if not Path(tokenizer).expanduser().exists() else []
     names += [s.path for s in (*recipe.data.train, *recipe.data.eval) if on_hub(s.path)]
-    if not names or constants.HF_HUB_OFFLINE or "https" in urllib.request.getproxies():
+    if not names or constants.HF_HUB_OFFLINE:
         return None
-    hub = urlparse(constants.ENDPOINT)
-    try:
-        socket.create_connection((hub.hostname, hub.port or 443), timeout=3).close()
-    except OSError as err:
-        where = f"the hub ({hub.hostname}) cannot be reached ({err}); HF_HUB_OFFLINE=1 reads the cache"
-        return f"{', '.join(names)}: {where}"
-    return None
+    why = hub_unreachable()
+    return None if why is None else f"{', '.join(names)}: {why}; HF_HUB_OFFLINE=1 reads the cache"
 
 
 def _print_estimate(plan: Any, target: Any, name: str, data: dict[str, Any] | None, plot: str | None) -> None:
@@ -244,7 +257,11 @@ def add_estimate_parser(p: argparse.ArgumentParser) -> None:
         help="with --model: the adapters' dtype, as the recipe key peft.adapter_dtype (default fp32, peft's)",
     )
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--device-memory", help="memory per device to plan for, e.g. 24GiB")
+    where.add_argument(
+        "--device-memory",
+        help="a device's memory, e.g. 24GiB: a CUDA card's, less the CUDA context, 10%% and 512 MiB as --gpu takes"
+        " them (--device cpu: all of it)",
+    )
     where.add_argument("--gpu", help=f"plan for a known card: {', '.join(GPUS)}")
     p.add_argument("--device", choices=["cuda", "cpu"], help="the kind of device (default: this machine's)")
     p.add_argument("--num-processes", type=positive_int, default=1, help="processes (GPUs) the run will use")
@@ -259,7 +276,8 @@ def add_estimate_parser(p: argparse.ArgumentParser) -> None:
         "--sequence-parallel",
         type=degree,
         help="processes each row is split across (Ulysses), as the recipe key parallel.sequence_parallel: auto (the"
-        " planner weighs every degree that divides --num-processes and the model's heads) or N",
+        " planner weighs every degree that divides --num-processes and the model's heads and keeps a group on one"
+        " node of 8) or N",
     )
     p.add_argument(
         "--tiled-mlp",

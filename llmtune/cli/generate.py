@@ -242,24 +242,39 @@ def _sampling(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from llmtune.cli.generate import load_run, reply
-
     sampling = _sampling(args)  # flags first: a bad one costs no model load
     run = load_run(args.run, trust_remote_code=args.trust_remote_code)
-    print(reply(run, [{"role": "user", "content": args.prompt}], sampling).strip())
+    messages = [*system_turn(run, args.system), {"role": "user", "content": args.prompt}]
+    print(reply(run, messages, sampling).strip())
     return 0
+
+
+def system_turn(run: LoadedRun, system: str | None) -> list[dict[str, str]]:
+    """The conversation's opening system turn, where one is given; refused for a run trained on plain prompts, which
+    have no turns to put it in (it would be silently dropped)."""
+    if not system:
+        return []
+    if not run.chat:
+        raise GenerateError(
+            f"--system: {run.folder} was trained on plain prompts, not chats (no chat template renders its prompts):"
+            " put the instruction in the prompt instead"
+        )
+    return [{"role": "system", "content": system}]
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
-    from llmtune.cli.generate import describe, load_run, reply
-
     sampling = _sampling(args)
     run = load_run(args.run, trust_remote_code=args.trust_remote_code)
-    print(f"{describe(run)}. Empty line or Ctrl-D to quit; /reset forgets the conversation.", file=sys.stderr)
+    print(
+        f"{describe(run)}. Empty line or Ctrl-D to quit; /reset forgets the conversation; /system TEXT sets the system"
+        " prompt (and starts over).",
+        file=sys.stderr,
+    )
     streamer = TextStreamer(run.tokenizer, skip_prompt=True, skip_special_tokens=True)
-    messages: list[dict[str, str]] = []
+    system = system_turn(run, args.system)
+    messages: list[dict[str, str]] = list(system)
     while True:
         try:
             line = input("> ").strip()
@@ -267,8 +282,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             break
         if not line:
             break
-        if line == "/reset":
-            messages = []
+        if line == "/reset" or line.startswith("/system"):
+            try:
+                system = system_turn(run, line.removeprefix("/system").strip()) if line != "/reset" else system
+            except GenerateError as err:
+                print(f"llmtune: {err}", file=sys.stderr)
+            messages = list(system)
             continue
         messages.append({"role": "user", "content": line})
         # The streamer prints the reply as it is generated; the full text is kept for the next turn.
@@ -287,6 +306,7 @@ def sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
         action="store_true",
         help="let a model that ships its own Python code run it (never taken from the run's recipe.yaml)",
     )
+    p.add_argument("--system", help="a system prompt opening the conversation (runs trained on chats)")
 
 
 def add_generate_parsers(sub: argparse._SubParsersAction) -> None:

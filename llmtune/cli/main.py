@@ -19,7 +19,7 @@ from llmtune.cli.estimate import add_estimate_parser
 from llmtune.cli.generate import add_generate_parsers
 from llmtune.cli.merge import add_merge_parser
 from llmtune.cli.plot import add_plot_parser
-from llmtune.errors import EXIT_PREEMPTED, LlmtuneError
+from llmtune.errors import EXIT_PREEMPTED, EXIT_USAGE, LlmtuneError
 
 
 def setup_logging() -> None:
@@ -35,10 +35,18 @@ def setup_logging() -> None:
     for name, quiet in _QUIET.items():
         if quiet not in logging.getLogger(name).filters:  # main() may run several times in one process
             logging.getLogger(name).addFilter(quiet)
+    if not sys.stderr.isatty() and "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ:  # a user's setting decides
+        # Where no bar can be drawn (a log file, a CI log), transformers' and datasets' bars (loading and writing
+        # weights, downloads, maps) are lines of carriage-return fragments, as llmtune's own bar is not drawn there.
+        import datasets
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # the hub's bars too
+        datasets.disable_progress_bars()
 
 
-def _drop(fragment: str) -> Callable[[logging.LogRecord], bool]:
-    return lambda record: fragment not in record.getMessage()
+def _drop(*fragments: str) -> Callable[[logging.LogRecord], bool]:
+    return lambda record: not any(fragment in record.getMessage() for fragment in fragments)
 
 
 # Third-party log lines that say nothing to a user of a normal run, each dropped by its exact wording:
@@ -49,6 +57,11 @@ _QUIET = {
     # Tied weights (lm_head = embed_tokens) are one tensor under two names: a checkpoint stores it once and
     # accelerate's load_state (safetensors.torch.load_model) restores both names, as the message itself expects.
     "accelerate.utils.other": _drop("Removed shared tensor"),
+    # Accelerate names each file a checkpoint writes or reads ("Model weights saved in .../model.safetensors": four
+    # lines or more a checkpoint); llmtune's own line names the checkpoint ("saved checkpoint", "resumed from").
+    # "Could not load random states" stays: a resume that cannot restore dropout's and sampling's RNG says so.
+    "accelerate.accelerator": _drop("Saving current state to ", "Loading states from ", " custom states"),
+    "accelerate.checkpointing": _drop(" saved in ", " loaded successfully"),
 }
 
 
@@ -132,11 +145,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return func(args)
     except LlmtuneError as err:  # a user's mistake (exit 2) or a run that failed (exit 1): one line, no traceback
-        print(f"llmtune: {err.prefix}: {err}", file=sys.stderr)
+        if _says_it(err):
+            print(f"llmtune: {err.prefix}: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("llmtune: interrupted", file=sys.stderr)
         return 130
+
+
+def _says_it(err: LlmtuneError) -> bool:
+    """Whether this process prints `err`. A mistake in the recipe or the request (exit 2) is refused alike by every
+    process of a launch: the first process of each node says it (once on one node; a node's own missing file is
+    still said there), the others exit 2 quietly rather than repeat it under the launcher's banner. A failure
+    (exit 1) may be one process's own (its out of memory): each says its own."""
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    return err.exit_code != EXIT_USAGE or local_rank == 0
 
 
 def entry() -> None:

@@ -144,8 +144,11 @@ def render_chat(
     tools: Tools = None,
 ) -> tuple[list[int], list[bool]]:
     """The conversation's ids and, per id, whether it is trained: assistant turns from index `first_trained` on
-    (a preference pair's earlier rounds are context), each its text and end-of-turn token."""
+    (a preference pair's earlier rounds are context), each its text and end-of-turn token. `first_trained` counts
+    the turns as given: a system turn folded into the first user turn moves every later turn one place back."""
+    given = len(messages)
     messages, text = as_rendered(tokenizer, messages, tools)
+    first_trained = max(0, first_trained - (given - len(messages)))
     if _GENERATION_TAG.search(_template(tokenizer)):
         return _by_generation_tags(tokenizer, messages, first_trained, tools)
     if not any(turn["role"] == "assistant" for turn in messages[first_trained:]):

@@ -4,13 +4,18 @@ parameters that train (counted for the setup log and the MFU)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
+from llmtune.model.experts import lora_expert_targets, trained_by_part
 from llmtune.recipe import PeftConfig
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -23,7 +28,7 @@ def peft_quietly() -> Iterator[None]:
 
 
 def apply_peft(model: PreTrainedModel, cfg: PeftConfig, *, gradient_checkpointing: bool):
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model, prepare_model_for_kbit_training
 
     if cfg.method == "qlora" and cfg.adapter_dtype == "fp32":
         # It casts every 16-bit weight that is not 4-bit (embeddings, head, norms) to fp32 beside fp32 adapters;
@@ -39,17 +44,49 @@ def apply_peft(model: PreTrainedModel, cfg: PeftConfig, *, gradient_checkpointin
         # transformers registers this hook itself when it enables checkpointing (5.17 and 5.25 do); a model
         # handed in with checkpointing enabled some other way still needs it.
         model.enable_input_require_grads()
-    lora = LoraConfig(
-        r=cfg.rank,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
+    lora = lora_config(
+        model,
+        rank=cfg.rank,
+        alpha=cfg.alpha,
+        dropout=cfg.dropout,
         target_modules=cfg.target_modules,
-        use_dora=cfg.method == "dora",
-        modules_to_save=cfg.modules_to_save or None,
-        task_type="CAUSAL_LM",
+        dora=cfg.method == "dora",
+        modules_to_save=cfg.modules_to_save,
     )
     with peft_quietly():
-        return get_peft_model(model, lora)
+        model = get_peft_model(model, lora)
+    if lora.target_parameters:
+        parts = ", ".join(f"{part} {n:,}" for part, n in trained_by_part(model).items())
+        log.info("trained parameters: %s", parts)
+    return model
+
+
+def lora_config(
+    model: torch.nn.Module,
+    *,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    target_modules: str | list[str],
+    dora: bool,
+    modules_to_save: list[str] | None = None,
+) -> Any:
+    """peft's `LoraConfig` for `model`, as training adapts it and the memory estimator traces it: on a mixture of
+    experts, all-linear reaches the routed experts' weights too and leaves the routers (`lora_expert_targets`)."""
+    from peft import LoraConfig
+
+    targets = {"target_modules": target_modules} | lora_expert_targets(
+        model, target_modules, dropout=dropout > 0, dora=dora
+    )
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        use_dora=dora,
+        modules_to_save=modules_to_save or None,
+        task_type="CAUSAL_LM",
+        **targets,
+    )
 
 
 def cast_trained(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -6,12 +6,15 @@ one more document) and `max_length_q/k` (Python ints), computed on the host in c
 transformers' `DataCollatorWithFlattening` do. transformers passes them to the attention function untouched.
 
 `varlen_attention`, registered with transformers' `AttentionInterface` as `VARLEN`, reads them:
-* on a CUDA device, in 16-bit: flash attention's varlen kernel over the flattened rows, causal within each
-  document (torch's `torch.nn.attention.varlen.varlen_attn`, a flash kernel shipped with torch; flash-attn's
-  `flash_attn_varlen_func` where torch has none);
-* elsewhere (a CPU, fp32): SDPA once per document, causal, or, where rows are short enough that the calls cost more
-  than the masked-out scores (`dense_is_cheaper`, measured), one SDPA with the block mask built here from the offsets
-  (measured on a CPU in benchmarks/packed_attention.py; figures in docs/data.md).
+* on a CUDA card of compute capability 8.0 or newer (Ampere, Ada, Hopper), in 16-bit: flash attention's varlen
+  kernel over the flattened rows, causal within each document (torch's `torch.nn.attention.varlen.varlen_attn`, a
+  flash kernel shipped with torch; flash-attn's `flash_attn_varlen_func` where torch has none). Both refuse older
+  cards ("FlashAttention only supports Ampere GPUs or newer"): `flash_varlen_runs` decides, for a run and for the
+  estimator's trace of a step on a named card alike;
+* elsewhere (a CPU, fp32, a T4 or V100): SDPA once per document, causal, or, where rows are short enough that the
+  calls cost more than the masked-out scores (`dense_is_cheaper`, measured), one SDPA with the block mask built here
+  from the offsets (measured on a CPU in benchmarks/packed_attention.py; figures in docs/data.md). On a card below
+  sm80, SDPA runs its memory-efficient kernel (its math one under GQA, `llmtune.plan.kernels.cuda_sdpa_backend`).
 No mask function is registered for `VARLEN`, so transformers' mask creation exits early for it: no [B, 1, L, L]
 mask, and no reading of `position_ids` on the device to find the documents (`find_packed_sequence_indices`, a
 host synchronisation every forward).
@@ -47,18 +50,22 @@ ULYSSES = "llmtune_ulysses"
 
 VARLEN = "llmtune_varlen"
 FLASH_MAX_HEAD_DIM = 256  # flash attention's kernels (torch's and flash-attn's) stop at head dim 256
+# ... and run on Ampere (sm80) and newer only; older cards they refuse ("FlashAttention only supports Ampere GPUs").
+FLASH_MIN_CAPABILITY = (8, 0)
 
-# The device type the kernel is chosen for when it is not the tensors' own: the memory estimator traces a CUDA step
-# on fake CPU tensors (llmtune.plan.kernels.CudaKernels sets it). A plain global, not a ContextVar: a compiled block
-# reads it, and Dynamo cannot trace `ContextVar.get` (a graph break in every block); it guards on a global's value.
-_planned_device: str | None = None
+# The device the kernel is chosen for when it is not the tensors' own, as (type, compute capability): the memory
+# estimator traces a CUDA step on fake CPU tensors (llmtune.plan.kernels.CudaKernels sets it). A plain global, not a
+# ContextVar: a compiled block reads it, and Dynamo cannot trace `ContextVar.get` (a graph break in every block); it
+# guards on a global's value.
+_planned_device: tuple[str, tuple[int, int] | None] | None = None
 
 
 @contextlib.contextmanager
-def planned_device(device_type: str) -> Iterator[None]:
-    """Choose the kernel as on `device_type`, whatever device the tensors are on."""
+def planned_device(device_type: str, capability: tuple[int, int] | None = None) -> Iterator[None]:
+    """Choose the kernel as on `device_type`, a CUDA card of compute `capability` (None: one not known, planned as a
+    data-center card, sm80/sm90), whatever device the tensors are on."""
     global _planned_device
-    before, _planned_device = _planned_device, device_type
+    before, _planned_device = _planned_device, (device_type, capability)
     try:
         yield
     finally:
@@ -163,7 +170,9 @@ CPU_MASKED_PRODUCTS_PER_TOKEN = 65_536
 
 def dense_is_cheaper(query: torch.Tensor) -> bool:
     """Whether, on a CPU, the rows' one masked SDPA beats one call per document. From the shape alone, so that a run
-    and the memory estimator's trace (rows of one document each) choose the same kernel."""
+    and the memory estimator's trace (rows of one document each) choose the same kernel. A card without flash takes
+    the same rule, unmeasured there: at a real model's width (heads x head dim >= 2048) only rows under 32 tokens go
+    masked, so it runs SDPA per document, whose causal blocks keep no [B, 1, L, L] bias for backward."""
     _, heads, length, head_dim = query.shape
     return length * heads * head_dim < CPU_MASKED_PRODUCTS_PER_TOKEN
 
@@ -185,16 +194,41 @@ def block_mask_sdpa(
     return out.transpose(1, 2).contiguous()
 
 
-def _runs_flash(query: torch.Tensor, dropout: float) -> bool:
-    """Flash's varlen kernel runs 16-bit CUDA tensors of head dim up to 256, without dropout (torch's has none)."""
-    device = _planned_device or query.device.type
+def flash_capable(capability: tuple[int, int] | None) -> bool:
+    """Whether a CUDA card of compute `capability` runs flash attention's kernels (torch's varlen and SDPA flash,
+    flash-attn's): sm80 and newer. None: a card not known, planned as a data-center one (sm80/sm90)."""
+    return capability is None or tuple(capability) >= FLASH_MIN_CAPABILITY
+
+
+def flash_varlen_runs(
+    device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype, head_dim: int, dropout: float
+) -> bool:
+    """Whether packed rows' attention runs flash's varlen kernel: on a CUDA card that runs flash (`flash_capable`), in
+    16-bit, head dim up to 256, without dropout (torch's has none). The one rule of a run and of the estimator's trace
+    (`planned_device`), so that a plan keeps what the run's kernel keeps."""
     return (
-        device == "cuda"
-        and query.dtype in (torch.bfloat16, torch.float16)
-        and query.shape[-1] <= FLASH_MAX_HEAD_DIM
+        device_type == "cuda"
+        and flash_capable(capability)
+        and dtype in (torch.bfloat16, torch.float16)
+        and head_dim <= FLASH_MAX_HEAD_DIM
         and dropout == 0.0
-        and _flash_kernel() is not None
     )
+
+
+def _runs_flash(query: torch.Tensor, dropout: float) -> bool:
+    """`flash_varlen_runs` on the planned device, else on the tensors' own, where a flash varlen kernel is installed."""
+    device, capability = _planned_device or (query.device.type, _capability(query.device))
+    return flash_varlen_runs(device, capability, query.dtype, query.shape[-1], dropout) and _flash_kernel() is not None
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """A CUDA device's compute capability, None elsewhere. From its properties, which Dynamo folds to a constant in a
+    compiled block (torch/_dynamo/variables/torch.py, `constant_fold_functions`); `get_device_capability` it does
+    not fold."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return props.major, props.minor
 
 
 @functools.cache
@@ -253,8 +287,9 @@ def per_document_sdpa(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor, scale: float, dropout: float = 0.0
 ) -> torch.Tensor:
     """SDPA once per document, causal: [B, H, L, D] -> [B, L, H, D]. The rows are flattened to [1, H, B x L, D], split
-    at the offsets, read on the host (`tolist`: on a CPU, no synchronisation); one split and one cat, whose backwards
-    copy each gradient once (per-document slices of the rows would each allocate a gradient of the rows' size)."""
+    at the offsets, read on the host (`tolist`: on a CPU, no synchronisation; on a card without flash, one a layer);
+    one split and one cat, whose backwards copy each gradient once (per-document slices of the rows would each
+    allocate a gradient of the rows' size)."""
     b, h, length, d = query.shape
     bounds = cu_q.tolist()
     spans = [end - start for start, end in zip(bounds, bounds[1:], strict=False)]

@@ -12,9 +12,12 @@ import importlib.metadata
 import importlib.util
 import logging
 import re
+import socket
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
@@ -22,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from llmtune.catalogue import MODELS, model_config_dir
 from llmtune.errors import SetupError
 from llmtune.model.attention import ULYSSES, attention_for
+from llmtune.model.experts import run_experts_implementation
 from llmtune.recipe import ModelConfig, Recipe
 
 log = logging.getLogger(__name__)
@@ -74,12 +78,55 @@ def resolve_config(name: str, *, revision: str | None = None, trust_remote_code:
         raise SetupError(f"{name}: no such folder")
     if folder is None and path.is_dir() and not (path / "config.json").is_file():
         raise SetupError(f"{name}: the folder has no config.json")
+    if folder is None and not path.exists():  # a hub id
+        folder = _cached_config_dir(name, revision)
     try:
         return AutoConfig.from_pretrained(
             str(folder or name), revision=None if folder else revision, trust_remote_code=trust_remote_code
         )
     except (OSError, ValueError) as err:
         raise SetupError(f"{name}: cannot read the model's config: {_why(name, err)}") from None
+
+
+def _cached_config_dir(name: str, revision: str | None) -> Path | None:
+    """Where the hub cannot be reached (`hub_unreachable`), the snapshot in the hub's cache that holds the config of
+    hub id `name`, read as a local folder: the hub's client, asked, retries for a minute and more, a warning each
+    time, before it gives up. None where the hub answers: it is asked. A SetupError, at once, where it cannot be
+    reached and nothing is cached: it names what llmtune plans offline."""
+    from huggingface_hub import try_to_load_from_cache
+
+    unreachable = hub_unreachable()
+    if unreachable is None:
+        return None
+    cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    if isinstance(cached, str):
+        return Path(cached).parent
+    raise SetupError(
+        f"{name}: {unreachable}, and its config is not cached; offline, name a catalogue model ({', '.join(MODELS)})"
+        " or a local folder with config.json"
+    )
+
+
+# Seconds the hub is given to answer a connection (`hub_unreachable`): it answers in milliseconds where it can.
+HUB_PROBE_SECONDS = 2
+
+
+def hub_unreachable() -> str | None:
+    """Why the hub cannot be asked now, in a few words: HF_HUB_OFFLINE asks for the cache alone, or the hub does not
+    answer one quick connection. None where it answers, or a proxy stands between (a direct connection tells nothing
+    of the proxy's way out)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "the hub cannot be reached (HF_HUB_OFFLINE is set)"
+    if "https" in urllib.request.getproxies():
+        return None
+    hub = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((hub.hostname, hub.port or 443), timeout=HUB_PROBE_SECONDS).close()
+    except OSError as err:
+        return f"the hub ({hub.hostname}) cannot be reached ({err})"
+    return None
 
 
 # [owner/]name, as the hub spells repository ids; a missing local path of another shape (./x, /x, a/b/c) is
@@ -169,6 +216,12 @@ def load_model(
     # Mixed precision keeps fp32 master weights; autocast makes the bf16/fp16 copies on the fly.
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
     kwargs = dict(attn_implementation=attn, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    compiled = recipe.training.compiles(device.type if device is not None else "cpu")
+    experts = run_experts_implementation(
+        config, cfg.experts_implementation, device=device, precision=precision, compiled=compiled
+    )
+    if experts is not None:
+        kwargs["experts_implementation"] = experts
     if recipe.peft.method == "qlora":
         from transformers import BitsAndBytesConfig
 

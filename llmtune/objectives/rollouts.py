@@ -10,8 +10,9 @@ The machinery llmtune.objectives.grpo plugs into the loop:
   KV cache (transformers' `generate`, one call for prompts of every length, left-padded), ending at any of the stop
   ids. Each completion's noise is counter-based, keyed by its own seed (the run's seed, the step, the row's content
   and its place in the group) and hashed on the device (Gumbel-max: the argmax of logits / T + Gumbel noise is a
-  sample of the softmax), so a completion is the same whatever the batch or the number of processes. Under FSDP2
-  the weights are gathered once a rollout (`gathered_once`);
+  sample of the softmax), so a completion is the same whatever the batch or the number of processes. Nothing else
+  touches the scores (`without_card_defaults`), and the blocks decode eager: a compiled block stays compiled for
+  training. Under FSDP2 the weights are gathered once a rollout (`gathered_once`);
 * the loss (`token_losses`, `GRPOModel`): TRL's clipped importance-weighted per-token loss with the k3 KL
   estimator, summed over the objective's units (completions; completions x max_new_tokens; tokens) so the loop
   divides by the units of the whole window on all processes.
@@ -187,28 +188,52 @@ def generate_completions(model: Any, s: Sampling) -> list[list[int]]:
 
     One `generate` call per `batch_rows` rows whatever their prompts' lengths (left-padded, `left_padded`), the
     rows sorted by length so that a call pads little. A row's tokens are what it would sample alone: its noise is
-    its own (`GumbelSampling`) and the mask hides the pads."""
+    its own (`GumbelSampling`) and the mask hides the pads. Greedy decoding of GumbelSampling's scores is the only
+    processing of the logits (`without_card_defaults`).
+
+    Decoding runs the blocks eager, compiled (`training.compile`) or not: through a compiled block every token
+    changes Dynamo's guards (the KV cache grows), so one rollout spent the blocks' recompile limit and every
+    training step after it, whose shapes Dynamo had not met yet, ran eager for the rest of the run."""
     device = next(model.parameters()).device
     config = GenerationConfig(
         max_new_tokens=s.cfg.max_new_tokens, do_sample=False, eos_token_id=list(s.stop), pad_token_id=s.pad
     )
     order = sorted(range(len(s.prompts)), key=lambda i: len(s.prompts[i]))
     out: list[list[int]] = [[] for _ in s.prompts]
-    for start in range(0, len(order), s.batch_rows):
-        chunk = order[start : start + s.batch_rows]
-        ids, mask = left_padded([s.prompts[i] for i in chunk], s.pad)
-        processor = GumbelSampling([s.seeds[i] for i in chunk], s.cfg.temperature, s.cfg.top_p)
-        generated = model.generate(
-            ids.to(device),
-            attention_mask=mask.to(device),
-            generation_config=config,
-            logits_processor=LogitsProcessorList([processor]),
-            synced_gpus=s.synced,
-        )
-        for row, i in zip(generated[:, ids.shape[1] :].tolist(), chunk, strict=True):
-            end = next((k + 1 for k, token in enumerate(row) if token in s.stop), len(row))
-            out[i] = row[:end]
+    with torch.compiler.set_stance("force_eager"), without_card_defaults(model):
+        for start in range(0, len(order), s.batch_rows):
+            chunk = order[start : start + s.batch_rows]
+            ids, mask = left_padded([s.prompts[i] for i in chunk], s.pad)
+            processor = GumbelSampling([s.seeds[i] for i in chunk], s.cfg.temperature, s.cfg.top_p)
+            generated = model.generate(
+                ids.to(device),
+                attention_mask=mask.to(device),
+                generation_config=config,
+                logits_processor=LogitsProcessorList([processor]),
+                synced_gpus=s.synced,
+            )
+            for row, i in zip(generated[:, ids.shape[1] :].tolist(), chunk, strict=True):
+                end = next((k + 1 for k, token in enumerate(row) if token in s.stop), len(row))
+                out[i] = row[:end]
     return out
+
+
+@contextlib.contextmanager
+def without_card_defaults(model: Any) -> Iterator[None]:
+    """The model's own generation_config (its card's decoding preferences) set aside for a blank one while it
+    samples. `generate` fills each field its config leaves None from the model's: Qwen2.5-Instruct's
+    repetition_penalty 1.05 would act at every token, and a field whose "off" is None (bad_words_ids,
+    suppress_tokens, sequence_bias, min_p, forced_eos_token_id, ...) is one a passed config cannot turn off. The
+    loss takes the completions for samples of the policy's softmax at the recipe's temperature and top_p, so
+    nothing but `GumbelSampling` may touch the scores: what `generate_completions` leaves unset is transformers'
+    global default, neutral. A peft model's `generate` runs on its base model, which reads its config there."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    card = base.generation_config
+    base.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        base.generation_config = card
 
 
 @contextlib.contextmanager

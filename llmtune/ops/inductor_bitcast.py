@@ -8,10 +8,21 @@ Zen 4). ATen's vector types bitcast in registers (`at::vec::cast`, a reinterpret
 inductor emit that for vectors of 32-bit floats and ints, and leaves every other case, and every other backend
 (Triton on CUDA), to inductor.
 
-Scoped: the patch is in place only while BF16AdamW's compiled step runs (inductor compiles inside its first
-call), so nothing else the process compiles sees it. Inductor's cache does not know of it: a graph compiled
-elsewhere without it would be served as it was compiled (slower, as exact); only BF16AdamW compiles this graph.
-Where inductor's internals are not what this expects (another torch version), nothing is patched.
+Scoped in time, not in space: the patch is in place only while BF16AdamW's compiled step runs (inductor compiles
+inside its first call), but for the whole process: a graph another thread compiles meanwhile gets the register
+bitcasts too (as exact: a bitcast is a reinterpretation either way). Inductor's caches (the FX graph and AOTAutograd
+caches, on disk and shared by every process and run) key a graph by its code and inductor's config, which the patch
+changes neither of: a graph compiled without it (an older llmtune, a benchmark's baseline) would be served to the
+patched compile, the scalar detour with it, and the reverse. So every graph compiled under the patch is keyed apart, by
+`torch.compiler.config.cache_key_tag` (the tag torch adds to its caches' keys, the user's own kept in it).
+Where inductor's internals are not what this expects (another torch version), nothing is patched nor keyed.
+
+The upstream fix, which makes this module unnecessary: `CppVecOverrides.to_dtype_bitcast` in
+torch/_inductor/codegen/cpp.py emitting `at::vec::cast` for a vector whose source and target dtypes have one width
+(float32/int32, float64/int64, bfloat16/float16/int16), as this does for the 32-bit pair, in place of the
+scalarised fallback `CppVecOverrides._initialize_scalarize` installs. No release has it yet (2.13, the newest
+checked, scalarises); the first that does is the version from which this patch is unnecessary, and it stands aside
+there on its own: it replaces only the scalarised fallback (`_scalarised`), so nothing is patched nor keyed apart.
 """
 
 from __future__ import annotations
@@ -23,6 +34,8 @@ from typing import Any
 import torch
 
 _WORDS = (torch.float32, torch.int32)
+# What the patched compiles add to torch's cache keys; a new value where the emitted code changes.
+CACHE_KEY_TAG = "llmtune.vector_bitcasts.v1"
 
 
 def _vector_bitcast(cpp: Any, kernel: Any, x: Any, dtype: torch.dtype) -> Any:
@@ -41,9 +54,15 @@ def _vector_bitcast(cpp: Any, kernel: Any, x: Any, dtype: torch.dtype) -> Any:
     return result
 
 
+def _scalarised(override: Any) -> bool:
+    """Whether inductor's `to_dtype_bitcast` for vectors is the element-by-element fallback its `_scalarize` makes."""
+    return "._scalarize." in getattr(getattr(override, "__func__", None), "__qualname__", "")
+
+
 @contextmanager
 def vector_bitcasts() -> Iterator[None]:
-    """While inside, inductor's C++ vector kernels bitcast float32 <-> int32 in registers."""
+    """While inside, inductor's C++ vector kernels bitcast float32 <-> int32 in registers, and what it compiles is
+    cached under keys of its own (`CACHE_KEY_TAG`)."""
     try:
         from torch._inductor.codegen import cpp
         from torch._inductor.virtualized import V
@@ -51,6 +70,8 @@ def vector_bitcasts() -> Iterator[None]:
         scalarised = cpp.CppVecOverrides.__dict__["to_dtype_bitcast"]
         cpp.DTYPE_TO_CPP, cpp.CppCSEVariable  # noqa: B018 (what the patch uses, present before anything is patched)
     except (ImportError, AttributeError, KeyError):
+        scalarised = None
+    if not _scalarised(scalarised):  # internals other than this expects, or torch bitcasts vectors itself
         yield
         return
 
@@ -61,8 +82,10 @@ def vector_bitcasts() -> Iterator[None]:
             return _vector_bitcast(cpp, kernel, x, dtype)
         return scalarised.__func__(x, dtype, src_dtype)
 
+    tag = "+".join(filter(None, (torch.compiler.config.cache_key_tag, CACHE_KEY_TAG)))
     cpp.CppVecOverrides.to_dtype_bitcast = staticmethod(to_dtype_bitcast)
     try:
-        yield
+        with torch.compiler.config.patch(cache_key_tag=tag):
+            yield
     finally:
         cpp.CppVecOverrides.to_dtype_bitcast = scalarised

@@ -290,12 +290,12 @@ class ChunkHead:
 def addmm_fp32_(acc: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> None:
     """acc += alpha * (a @ b) in place, acc fp32 (a gradient summed over chunks, V x h), a and b in the matmul's dtype,
     with no product of acc's size beside it: fp32 runs `addmm_`; 16-bit runs a GEMM that writes fp32 and adds into
-    acc in its epilogue where the device has one (`_fp32_out_matmul`: cuBLAS); elsewhere (a CPU has none) the 16-bit
+    acc in its epilogue where the device has one (`_fp32_out_refusal`: cuBLAS); elsewhere (a CPU has none) the 16-bit
     product is made a block of acc's rows at a time, each block no larger than `a` (the chunk's gradient, already
-    alive: the chunk's peak is not raised), and added."""
+    alive: the chunk's peak is not raised), and added. Which of the two a device takes: `head_accumulation`."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b, alpha=alpha)
-    elif _fp32_out_matmul(acc.device):
+    elif _fp32_out_refusal(acc.device) is None:
         torch.addmm(acc, a, b, out_dtype=torch.float32, alpha=alpha, out=acc)
     else:
         block = max(1, a.numel() // max(1, b.shape[1]))
@@ -303,19 +303,36 @@ def addmm_fp32_(acc: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> None:
             acc[start : start + block].add_(a[start : start + block] @ b, alpha=alpha)
 
 
+def head_accumulation(device: torch.device | str) -> str:
+    """How the chunked loss sums a 16-bit lm_head's fp32 weight gradient over chunks on `device` (`addmm_fp32_`), in
+    words: one GEMM writing fp32, or 16-bit products a block of rows at a time and why (`make gpu-check` reports it).
+    The blocks sum the same products, more slowly; a run's set-up says which it takes (`runnable_impl`)."""
+    why = _fp32_out_refusal(torch.device(device))
+    if why is None:
+        return "a GEMM accumulating into the fp32 gradient (torch.addmm out_dtype=float32)"
+    return f"16-bit products a block of rows at a time, added to the fp32 gradient ({why})"
+
+
 @functools.cache
-def _fp32_out_matmul(device: torch.device) -> bool:
-    """Whether `device` runs `torch.addmm(fp32, 16-bit, 16-bit, out_dtype=torch.float32)`: CUDA in torch >= 2.8, where
-    cuBLAS accumulates into the fp32 output. Probed once on 1 x 1 tensors: the dtype checks refuse before any kernel
-    runs, and nothing is read back (no host sync)."""
+def _say_head_accumulation(device: torch.device) -> None:
+    """`head_accumulation` at INFO, once per device and process: at set-up, where a run's loss head is chosen."""
+    logger.info("chunked loss on %s: 16-bit lm_head gradients summed by %s", device, head_accumulation(device))
+
+
+@functools.cache
+def _fp32_out_refusal(device: torch.device) -> str | None:
+    """Why `device` does not run `torch.addmm(fp32, 16-bit, 16-bit, out_dtype=torch.float32)`; None where it does:
+    CUDA from torch 2.8, where cuBLAS accumulates into the fp32 output, once torch takes an fp32 `self` beside 16-bit
+    operands (the first releases' kernel refused it: "self and mat2 must have the same dtype", pytorch/pytorch#154086).
+    Probed once on 1 x 1 tensors: the dtype checks refuse before any kernel runs, and nothing is read back."""
     if device.type != "cuda":
-        return False
+        return f"{device.type} has no fp32-output GEMM"
     one = torch.ones((1, 1), device=device)
     try:
         torch.addmm(one, one.bfloat16(), one.bfloat16(), out_dtype=torch.float32, out=one)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-    return True
+    except (RuntimeError, TypeError, NotImplementedError) as err:
+        return f"torch {torch.__version__} refuses the fp32-output GEMM: {str(err).splitlines()[0]}"
+    return None
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -499,13 +516,18 @@ def _adapters_run(head: torch.nn.Module) -> list[str]:
 
 def runnable_impl(model: torch.nn.Module, impl: LossImpl) -> LossImpl:
     """`impl`, or 'hf' where the chunked paths cannot run this model's lm_head (`head_refusal`): the model's own
-    forward computes those logits, at the memory of the full N x V logits."""
+    forward computes those logits, at the memory of the full N x V logits. Chunked on a GPU, how the head's gradient
+    is summed there is said once (`head_accumulation`)."""
     if impl != "chunked":
         return impl
     reason = head_refusal(model)
     if reason is not None:
         _say_once(f"the chunked loss does not compute {reason}: training.loss 'hf' (full logits) instead")
         return "hf"
+    weight = decoder_and_head(model)[1].weight
+    # Where the device has a choice: a CPU has the blocks alone (and the planner's fake tensors are a CPU's).
+    if weight.device.type == "cuda":
+        _say_head_accumulation(weight.device)
     return impl
 
 

@@ -81,16 +81,20 @@ def planned_degree(degree: int) -> Iterator[None]:
 
 
 def rows_padded_to(degree: int, length: int | None = None) -> int | None:
-    """The multiple a collate pads rows to: `length` (a compiled run's one shape) and the degree, as `shard_batch`
-    splits each row in `degree` equal parts; None where neither asks for one."""
-    multiple = math.lcm(length or 1, degree)
+    """The multiple a collate pads rows to, as `shard_batch` splits each row in `degree` equal parts: the degree, or
+    for a compiled run's one shape `length` (its max_length, which no packed row exceeds) rounded up to the degree,
+    so that every row pads to that one width, the width the estimator traces (`llmtune.plan.step.micro_batch`); None
+    where neither asks for one. (Not lcm(length, degree): 2050 tokens at degree 4 would pad to 4100.)"""
+    multiple = -(-(length or 1) // degree) * degree
     return multiple if multiple > 1 else None
 
 
 def mesh_group(device_type: str, rank: int, world: int, degree: int) -> SequenceGroup:
     """Process `rank`'s sequence group in the (data, sequence) mesh of `world` processes, sequence innermost: a group
-    is `degree` consecutive ranks, on one node where the launcher fills nodes in order, so its all-to-alls stay on the
-    node's links. Collective where `degree` > 1: every process calls it."""
+    is `degree` consecutive ranks, which the launcher, filling nodes in rank order, puts on one node where `degree`
+    divides a node's processes, so that its all-to-alls stay on the node's links (the planner's `auto` weighs only
+    such degrees; a wider one sends over the network: `off_node_share`). Collective where `degree` > 1: every process
+    calls it."""
     if degree == 1:
         return SequenceGroup(data_rank=rank, data_world=world)
     from torch.distributed.device_mesh import init_device_mesh
@@ -98,6 +102,18 @@ def mesh_group(device_type: str, rank: int, world: int, degree: int) -> Sequence
     mesh = init_device_mesh(device_type, (world // degree, degree), mesh_dim_names=("data", "sequence"))
     rank, group = mesh.get_local_rank("sequence"), mesh.get_group("sequence")
     return SequenceGroup(degree, rank, group, data_rank=mesh.get_local_rank("data"), data_world=world // degree)
+
+
+def off_node_share(degree: int, per_node: int, world: int) -> float:
+    """The largest share of its all-to-all bytes a process sends to other nodes, `mesh_group`'s groups of `degree`
+    consecutive ranks among `world` processes on nodes of `per_node`, filled in rank order: 0 where every group is on
+    one node (`degree` divides `per_node`, or one node holds them all)."""
+    worst = 0
+    for start in range(0, world, degree):
+        for node in range(start - start % per_node, start + degree, per_node):  # the nodes the group spans
+            on_node = min(start + degree, node + per_node) - max(start, node)
+            worst = max(worst, degree - on_node)
+    return worst / (degree - 1) if degree > 1 else 0.0
 
 
 def refusal(config: PretrainedConfig, degree: int) -> str | None:

@@ -61,25 +61,22 @@ class Target:
 def planning_target(
     *, device_memory: str | None, gpu: str | None, device: str | None, recipe_budget: str = "auto"
 ) -> Target:
-    """Where `llmtune estimate` plans for: a size (`--device-memory`), a known card (`--gpu`), the recipe's
-    `memory.budget`, or else this machine's own device as `train` would use it (a GPU if there is one, else
-    the CPU's free RAM). `device` ("cuda"/"cpu", `--device`) names the kind of device when it is not this
-    machine's."""
+    """Where `llmtune estimate` plans for: a device's memory (`--device-memory`: a CUDA card's, less what `--gpu`
+    takes off a known card's; a CPU's as given), a known card (`--gpu`), the recipe's `memory.budget`, or else this
+    machine's own device as `train` would use it (a GPU if there is one, else the CPU's free RAM). `device`
+    ("cuda"/"cpu", `--device`) names the kind of device when it is not this machine's."""
     from llmtune.catalogue import gpu_memory
 
     if device_memory:
         try:
-            budget = parse_bytes(device_memory)
+            total = parse_bytes(device_memory)
         except ValueError as err:
             raise MemoryPlanError(f"--device-memory: {err}") from None
-        return Target(device or "cuda", budget, f"--device-memory {device_memory}")
+        if (device or "cuda") == "cpu":
+            return Target("cpu", total, f"--device-memory {device_memory}")
+        return _card_target(total, f"--device-memory {device_memory}")
     if gpu:
-        total = gpu_memory(gpu)
-        return Target(
-            "cuda",
-            _cuda_budget(total - CUDA_CONTEXT_BYTES, total),
-            f"--gpu {gpu}: {format_bytes(total)} less the CUDA context, 10% and 512 MiB for workspaces",
-        )
+        return _card_target(gpu_memory(gpu), f"--gpu {gpu}")
     here = "cuda" if torch.cuda.is_available() else "cpu"
     if recipe_budget != "auto":
         return Target(device or here, parse_bytes(recipe_budget), f"memory.budget {recipe_budget}")
@@ -95,6 +92,15 @@ def planning_target(
         default_budget("cpu"),
         "this machine's CPU (no GPU here; plan for one with --gpu NAME or --device-memory 24GiB):"
         " available RAM less max(1 GiB, 10%)",
+    )
+
+
+def _card_target(total: int, flag: str) -> Target:
+    """A CUDA card of `total` bytes that cannot be asked for its free memory (`--gpu`, or `--device-memory` as a card's
+    size): what `memory.budget: auto` would leave of it on the card, the CUDA context taken first."""
+    budget = _cuda_budget(total - CUDA_CONTEXT_BYTES, total)
+    return Target(
+        "cuda", budget, f"{flag}: {format_bytes(total)} less the CUDA context, 10% and 512 MiB for workspaces"
     )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from llmtune.catalogue import compute_capability, datasheet_bandwidth, datasheet_peak_flops
+from llmtune.model.experts import experts_choice
 from llmtune.objectives import reference_for
 from llmtune.ops.loss import chunk_rows
 from llmtune.ops.optim import optimizer_choice
@@ -71,6 +72,7 @@ def estimate_settings(
         )
     optimizer = optimizer_choice(t.optimizer, precision, peft.method, peft.adapter_dtype)
     rows = training_rows(recipe, trained_fraction)
+    capability = card_capability(device, gpu)
     return dict(
         precision=precision,
         layout=rows.layout,
@@ -85,7 +87,14 @@ def estimate_settings(
         expandable_segments=expandable_segments(recipe),
         objective=t.objective,
         reference=reference_for(recipe),
-        compute_capability=card_capability(device, gpu),
+        compute_capability=capability,
+        experts_implementation=experts_choice(
+            recipe.model.experts_implementation,
+            device=device,
+            precision=precision,
+            compiled=t.compiles(device),
+            capability=capability,
+        )[0],
     )
 
 
@@ -173,11 +182,12 @@ def plan_for_budget(
     num_processes: int,
     rates: Rates | None = None,
     host_bytes: int | None = None,
+    processes_per_node: int | None = None,
 ) -> BatchPlan:
     """The fastest micro-batch, checkpointing, sequence-parallel degree and MLP tiling for the recipe's global batch
-    and rows (`training_rows`) within `budget_bytes`, as far as the recipe leaves them open; a fixed
-    `training.micro_batch_size` is planned as given (whether it fits or not: `BatchPlan.fits`). grpo: then the rows
-    of each generate call (`with_generation`)."""
+    and rows (`training_rows`) within `budget_bytes`, as far as the recipe leaves them open, on nodes of
+    `processes_per_node` (`plan_micro_batch`); a fixed `training.micro_batch_size` is planned as given (whether it
+    fits or not: `BatchPlan.fits`). grpo: then the rows of each generate call (`with_generation`)."""
     t = recipe.training
     plan = plan_micro_batch(
         config,
@@ -190,6 +200,7 @@ def plan_for_budget(
         host_bytes=host_bytes,
         sequence_parallel=recipe.parallel.sequence_parallel if unsplittable(recipe) is None else 1,
         tiled_mlp=recipe.parallel.tiled_mlp,
+        processes_per_node=processes_per_node,
         **settings,
     )
     return with_generation(plan, recipe, config, budget_bytes) if t.objective == "grpo" else plan

@@ -18,8 +18,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmtune.model.attention import planned_device
+from llmtune.model.attention import FLASH_MAX_HEAD_DIM, flash_capable, planned_device
+from llmtune.model.experts import experts_modules
 
 # bitsandbytes 0.4x/0.5x `quantize_4bit` (NF4, as llmtune.model.load.load_model asks for it): blocks of 64
 # weights share one absmax; with double quantisation those absmaxes are themselves quantised to uint8 in
@@ -166,8 +168,6 @@ _CUDA_FP32_SET_DTYPE = {
 # AT_FORALL_LOWER_PRECISION_FP entries that CPU autocast does not list.
 _CUDA_LOWER = {torch.einsum, torch.mv, T.mv, torch.addmv, torch.addr}
 
-FLASH_MAX_HEAD_DIM = 256  # aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: check_head_dim_size_flash
-
 
 def cuda_sdpa_backend(
     q: torch.Tensor,
@@ -177,16 +177,15 @@ def cuda_sdpa_backend(
     dropout_p: float = 0.0,
 ) -> str:
     """The backend torch's `sdp_utils.cpp` picks for a training step on a CUDA GPU of compute `capability` (None: a
-    data-center card, sm80 or sm90), in its priority order: flash (sm80+, 16-bit, no arbitrary mask, head dim <= 256
-    and a multiple of 8; `check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120`: on sm86/89/120/121
-    not with grad for head dims in (192, 224], nor above 224 with dropout), then memory-efficient (any float dtype,
-    masks; no GQA), then the math composite."""
+    data-center card, sm80 or sm90), in its priority order: flash (sm80+, `flash_capable`; 16-bit, no arbitrary mask,
+    head dim <= 256 and a multiple of 8; `check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120`: on
+    sm86/89/120/121 not with grad for head dims in (192, 224], nor above 224 with dropout), then memory-efficient (any
+    float dtype, masks; no GQA), then the math composite."""
     head_dim = q.shape[-1]
-    arch = capability or (8, 0)
-    consumer = arch in ((8, 6), (8, 9), (12, 0), (12, 1))
+    consumer = capability in ((8, 6), (8, 9), (12, 0), (12, 1))
     refused = consumer and (192 < head_dim <= 224 or (head_dim > 224 and dropout_p > 0))
     if q.dtype in (torch.bfloat16, torch.float16) and attn_mask is None and head_dim <= FLASH_MAX_HEAD_DIM:
-        if head_dim % 8 == 0 and arch >= (8, 0) and not refused:
+        if head_dim % 8 == 0 and flash_capable(capability) and not refused:
             return "flash"
     if not enable_gqa and head_dim % (4 if q.dtype == torch.float32 else 8) == 0:
         return "efficient"
@@ -341,8 +340,9 @@ class CudaKernels(TorchFunctionMode):
         self._planned = contextlib.ExitStack()
 
     def __enter__(self) -> CudaKernels:
-        # llmtune.model.attention picks its packed-row kernel as on a GPU (flash's varlen) for these CPU fake tensors.
-        self._planned.enter_context(planned_device("cuda"))
+        # llmtune.model.attention picks its packed-row kernel for these CPU fake tensors as on this card: flash's
+        # varlen from sm80, else SDPA (per document or masked), which `_sdpa` then stands in for.
+        self._planned.enter_context(planned_device("cuda", self.capability))
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -399,12 +399,89 @@ def _cast(tree: Any, dtype: torch.dtype) -> Any:
         return pytree.tree_map(cast, tree)
 
 
+# ---------------------------------------------------------------- the experts' grouped matmul
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
+
+
+class GroupedMmKernel(TorchDispatchMode):
+    """torch's `_grouped_mm` (which transformers' `grouped_mm` experts run) with the operands its kernels take.
+
+    Since torch 2.9 the op runs any float dtype: the CUTLASS kernel in bf16 on sm90, else a loop of matmuls into one
+    output in the operands' dtype (aten/src/ATen/native/GroupedMMUtils.h, the fallback). Its meta kernel, which fake
+    tensors run, still checks the CUTLASS kernel's operands (torch/_meta_registrations.py `_meta_grouped_mm_common`:
+    bf16 only) and refuses fp32 ones. Mixed precision hands it fp32: the grouped matmul is on no autocast list, so
+    transformers casts its input to the experts' fp32 master weights (integrations/moe.py `_grouped_mm`). Either
+    kernel keeps its output only, shaped as `_create_grouped_mm_output_tensor` shapes it; made here for operands
+    the meta kernel refuses."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not _GROUPED_MM or args[0].dtype == torch.bfloat16:
+            return func(*args, **kwargs)
+        a, b = args[0], args[1]
+        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        if a.dim() == 2:  # (tokens, in) x (experts, in, out), or the weights' gradient (in, tokens) x (tokens, out)
+            shape = (a.shape[0], b.shape[-1]) if b.dim() == 3 else (offs.shape[0], a.shape[0], b.shape[-1])
+        else:
+            shape = (a.shape[1], b.shape[1]) if b.dim() == 2 else (a.shape[0], a.shape[1], b.shape[-1])
+        return torch.empty(shape, dtype=kwargs.get("out_dtype") or a.dtype, device=a.device)
+
+
+_NONZERO = torch.ops.aten.nonzero.default
+_SCALAR = torch.ops.aten._local_scalar_dense.default
+
+
+class BalancedRouting(TorchDispatchMode):
+    """Inside an experts module's `eager` forward (transformers' loop over the experts a batch hits, each taking its
+    tokens by `torch.where` on the routing mask): its data-dependent ops, which fake tensors have no values for,
+    answered for a balanced routing. Every one of the `experts` is hit (`nonzero` of the hit mask), and takes
+    tokens x top_k / experts of the routed pairs, rounded up (`nonzero` of its routing mask); a value read on the host
+    is 0 (the expert indexed, never the expert-parallel sentinel). What backward keeps sums to the routed pairs
+    whatever the routing, so it is exact; a transient of one expert's step is that of a balanced share, which an
+    imbalanced batch exceeds on its busiest expert."""
+
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.experts = experts
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _SCALAR:
+            return False if args[0].dtype == torch.bool else 0
+        if func is not _NONZERO:
+            return func(*args, **kwargs)
+        mask = args[0]
+        rows = min(mask.shape[0], self.experts) if mask.dim() == 1 else -(-mask.numel() // self.experts)
+        return torch.empty((rows, mask.dim()), dtype=torch.long, device=mask.device)
+
+
+def route_balanced(model: torch.nn.Module) -> int:
+    """Run every experts module of `model` (`llmtune.model.experts.experts_modules`) under `BalancedRouting`; returns
+    how many. The model is the trace's own, so its modules'
+    forwards are replaced in place."""
+    experts = [m for _, m in experts_modules(model)]
+    for module in experts:
+        module.forward = _balanced(module.forward, module.num_experts)
+    return len(experts)
+
+
+def _balanced(forward: Any, experts: int) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with BalancedRouting(experts):
+            return forward(*args, **kwargs)
+
+    return run
+
+
 __all__ = [
     "AdamW8bitModel",
+    "BalancedRouting",
     "CudaKernels",
+    "GroupedMmKernel",
     "Linear4bitModel",
     "cuda_sdpa_backend",
     "parameter_count",
     "quantize_base_4bit",
+    "route_balanced",
     "upcast_for_kbit_training",
 ]

@@ -28,6 +28,7 @@ from llmtune.plan.from_recipe import (
     planned_precision,
     unsplittable,
 )
+from llmtune.plan.report import forecasts, speeds_shown
 from llmtune.plan.search import sequence_degrees
 from llmtune.plan.timing import Rates, compiled
 from llmtune.recipe import Recipe, checkpointing_of
@@ -61,11 +62,14 @@ def plan_recipe(
     gpu: str | None = None,
     rates: Rates | None = None,
     host_bytes: int | None = None,
+    processes_per_node: int | None = None,
 ) -> tuple[BatchPlan, dict[str, Any]]:
     """The plan for `recipe` on `num_processes` devices of kind `device` with `budget_bytes` each, and the
     estimator settings it was planned with (the training loop's, as `estimate_settings` derives them). `rates`:
     the time model's, where the caller has them (else `plan_rates`); `host_bytes`: the host memory a process may
-    pin for activation offloading (None: not known, not checked)."""
+    pin for activation offloading (None: not known, not checked); `processes_per_node`: those of the processes a node
+    holds (None: not known, `llmtune.plan.search.NODE_PROCESSES`)."""
+    recipe = runnable_recipe(recipe, sharding)
     loss = resolve_loss_impl(recipe.training.loss, config)
     settings = estimate_settings(
         recipe,
@@ -88,6 +92,7 @@ def plan_recipe(
         num_processes=num_processes,
         rates=rates,
         host_bytes=host_bytes,
+        processes_per_node=processes_per_node,
     )
     return plan, settings
 
@@ -125,7 +130,10 @@ class EngineChoice:
             "micro_batch_size": p.micro_batch_size if p else None,
             "checkpointing": p.checkpointing.describe(p.estimate.settings["layers"]) if p and p.estimate else None,
             "predicted_peak_bytes": p.predicted_peak_bytes if p else None,
-            "predicted_tokens_per_s": round(p.predicted_tokens_per_s, 1) if p and p.predicted_tokens_per_s else None,
+            # Nominal rates rank the engines (their order) but forecast no speed.
+            "predicted_tokens_per_s": (
+                round(p.predicted_tokens_per_s, 1) if p and p.predicted_tokens_per_s and forecasts(p) else None
+            ),
             "why": self.why,
         }
 
@@ -144,10 +152,67 @@ def plan_engines(recipe: Recipe, config: Any, *, device: str, num_processes: int
             plan, settings = plan_recipe(
                 recipe, config, device=device, num_processes=num_processes, sharding=sharding, rates=rates, **kwargs
             )
-            choices.append(EngineChoice(engine, sharding, plan, "" if plan.fits else "over the budget", settings))
-        except (MemoryPlanError, SetupError) as err:
+            choices.append(EngineChoice(engine, sharding, plan, _why_over(recipe, sharding, plan), settings))
+        except MemoryPlanError as err:
+            choices.append(EngineChoice(engine, sharding, None, _why_none_fits(recipe, sharding, err, kwargs)))
+        except SetupError as err:
             choices.append(EngineChoice(engine, sharding, None, str(err)))
     return sorted(choices, key=_engine_order)
+
+
+def runnable_recipe(recipe: Recipe, sharding: str) -> Recipe:
+    """`recipe` as the engine of `sharding` can run it: under ZeRO-3, adapters whose checkpointing the planner chooses
+    (auto) are planned without it, the one setting that runs there (`check_engine`), and without tiled MLPs where
+    those are the planner's too: each tile is recomputed under the same non-reentrant checkpointing
+    (`llmtune.model.tiling`)."""
+    t, parallel = recipe.training, recipe.parallel
+    if sharding != "zero3" or recipe.peft.method == "none" or checkpointing_of(t.gradient_checkpointing) is not None:
+        return recipe
+    tiled = False if parallel.tiled_mlp == "auto" else parallel.tiled_mlp
+    return replace(
+        recipe,
+        training=replace(t, gradient_checkpointing=False),
+        parallel=replace(parallel, tiled_mlp=tiled),
+    )
+
+
+def _without_checkpointing(recipe: Recipe, sharding: str) -> str:
+    """What a row says first where `runnable_recipe` took checkpointing from the planner's choices."""
+    return "" if runnable_recipe(recipe, sharding) is recipe else "without checkpointing (LoRA under ZeRO-3): "
+
+
+def _why_over(recipe: Recipe, sharding: str, plan: BatchPlan) -> str:
+    """Why a plan that was made does not fit, from its own peaks (`BatchPlan.fits`): the step's at the micro-batch the
+    recipe fixes, or grpo's generate call's; "" where it fits."""
+    if plan.fits:
+        return ""
+    if plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes > plan.budget_bytes:
+        what, peak = f"the recipe's micro-batch {plan.micro_batch_size}", plan.predicted_peak_bytes
+    else:
+        what, peak = f"a generate call of {plan.generation_rows} rows", plan.generation.peak_bytes
+    return (
+        f"{_without_checkpointing(recipe, sharding)}{what} peaks at {format_bytes(peak)}, over the budget of"
+        f" {format_bytes(plan.budget_bytes)}"
+    )
+
+
+# The model's states that no micro-batch, checkpointing or split of the rows makes smaller (`MemoryEstimate.breakdown`).
+STATE_TAGS = ("weights", "gradients", "optimizer_states")
+
+
+def _why_none_fits(recipe: Recipe, sharding: str, err: MemoryPlanError, kwargs: dict[str, Any]) -> str:
+    """Why no plan fits under an engine, its row's reason first: where the engine's share of the model's states alone
+    is over the budget, that (the smallest step's split of the rows does not apply to them); else the smallest step's
+    peak, as the planner's error says (`llmtune.plan.search`). The error follows whole."""
+    smallest, budget = getattr(err, "estimate", None), kwargs.get("budget_bytes")
+    states = sum(smallest.breakdown.get(tag, 0) for tag in STATE_TAGS) if smallest is not None else 0
+    first = _without_checkpointing(recipe, sharding)
+    if budget is None or states <= budget:
+        return f"{first}{err}"
+    return (
+        f"{first}weights, gradients and optimizer states alone take {format_bytes(states)} a process, over the budget"
+        f" ({format_bytes(budget)}) whatever the micro-batch, checkpointing or split of the rows. {err}"
+    )
 
 
 def _engine_order(c: EngineChoice) -> tuple[bool, float]:
@@ -157,22 +222,23 @@ def _engine_order(c: EngineChoice) -> tuple[bool, float]:
 
 def format_engines(choices: list[EngineChoice]) -> list[str]:
     """The engines as `llmtune estimate` shows them: fastest first, the chosen marked, why the others were not."""
-    rows = [("engine", "sequence", "MLP", "micro", "checkpointing", "peak", "tokens/s", "")]
-    for i, c in enumerate(choices):
+    planned = next((c.plan for c in choices if c.plan is not None), None)
+    nominal = planned is not None and not forecasts(planned)
+    fitting = [c.plan.predicted_tokens_per_s if c.plan is not None and c.plan.fits else None for c in choices]
+    speeds = speeds_shown(planned, fitting) if planned is not None else ["-"] * len(choices)
+    rows = [("engine", "sequence", "MLP", "micro", "checkpointing", "peak", "x fastest" if nominal else "tokens/s", "")]
+    for i, (c, speed) in enumerate(zip(choices, speeds, strict=True)):
         d = c.to_dict()
         peak = format_bytes(d["predicted_peak_bytes"]) if d["predicted_peak_bytes"] else "-"
-        speed = f"{d['predicted_tokens_per_s']:,.0f}" if d["fits"] and d["predicted_tokens_per_s"] else "-"
-        why = "<- chosen" if i == 0 else c.why.split(". ")[0]
+        why = "<- chosen" if i == 0 and d["fits"] else c.why.split(". ")[0]
         tiled = {True: "tiled", False: "whole", None: "-"}[d["tiled_mlp"]]
         split = str(d["sequence_parallel"] or "-")
         rows.append(
             (c.engine, split, tiled, str(d["micro_batch_size"] or "-"), d["checkpointing"] or "-", peak, speed, why)
         )
     widths = [max(len(r[i]) for r in rows) for i in range(7)]
-    lines = [
-        "",
-        "engines (tokens/s a process; communication over the cards' link; sequence: processes a row is split across):",
-    ]
+    per = "speed against the fastest, nominal rates" if nominal else "tokens/s a process"
+    lines = ["", f"engines ({per}; communication over the cards' link; sequence: processes a row is split across):"]
     return lines + ["  " + "  ".join(f"{v:<{w}}" for v, w in zip(r, widths, strict=False)) + "  " + r[7] for r in rows]
 
 
@@ -181,7 +247,7 @@ def how(plan: BatchPlan, engine: str | None) -> dict[str, Any]:
     the sequence-parallel degree, the MLP's tiling, checkpointing, the batch split, the predicted peak and step time."""
     s = plan.estimate.settings
     tokens = plan.micro_batch_size * plan.grad_accum_steps * s["seq_len"] / plan.sequence_parallel
-    speed = plan.predicted_tokens_per_s
+    speed = plan.predicted_tokens_per_s if forecasts(plan) else None  # nominal rates rank; they forecast no time
     return {
         "engine": engine or s["sharding"],
         "num_processes": plan.num_processes,
@@ -253,12 +319,7 @@ def plan_run(
 
     t, n = recipe.training, acc.num_processes
     degree = fixed_degree(recipe, config, n)
-    per_process, rest = divmod(t.global_batch_size, n // degree)
-    if rest:
-        raise PlanError(
-            f"training.global_batch_size={t.global_batch_size} is not divisible by the {n // degree} data-parallel"
-            f" processes ({n} processes, sequence_parallel {degree})"
-        )
+    per_process = rows_per_process(t.global_batch_size, n, degree)
     budget = resolve_budget(recipe.memory.budget, acc.device)
     # Free memory can differ between devices; every process must train the same micro-batch (and loss chunk).
     budget = int(acc.gather(torch.tensor([budget], device=acc.device)).min())
@@ -289,8 +350,9 @@ def plan_run(
         # whole_model_init: the models it builds are this process's alone; ZeRO-3's zero.Init would partition them
         # with collectives that the other processes, waiting for the plan, never join.
         kwargs = dict(budget_bytes=budget, precision=precision, trained_fraction=trained_fraction)
+        kwargs["processes_per_node"] = int(os.environ.get("LOCAL_WORLD_SIZE", n))  # the launcher's, on this node
         if device == "cuda":  # offloading pins this host's memory, shared by the processes on it
-            kwargs["host_bytes"] = host_budget(int(os.environ.get("LOCAL_WORLD_SIZE", n)))
+            kwargs["host_bytes"] = host_budget(kwargs["processes_per_node"])
         with torch.random.fork_rng(devices=[acc.device] if acc.device.type == "cuda" else []), whole_model_init():
             chosen = plan_recipe(recipe, config, device=device, num_processes=n, sharding=sharding_of(engine), **kwargs)
             note = engine_advice(recipe, config, device=device, num_processes=n, launched=sharding_of(engine), **kwargs)
@@ -301,6 +363,21 @@ def plan_run(
     # The rates are timed on one process's clock and rank the candidates: each process timing its own could choose
     # another plan (a loaded host's clock differs) and wait in collectives the others never join.
     return decided_by_main(acc, plan)
+
+
+def rows_per_process(global_batch_size: int, num_processes: int, degree: int) -> int:
+    """The rows each data-parallel process trains a step (`num_processes` / `degree` of them); a PlanError naming the
+    nearest global batch sizes they divide where they do not divide this one."""
+    data_parallel = num_processes // degree
+    per_process, rest = divmod(global_batch_size, data_parallel)
+    if rest:
+        below, above = global_batch_size - rest, global_batch_size - rest + data_parallel
+        nearest = f"{below} or {above}" if below else str(above)
+        raise PlanError(
+            f"training.global_batch_size={global_batch_size} is not divisible by the {data_parallel} data-parallel"
+            f" processes ({num_processes} processes, sequence_parallel {degree}); nearest valid: {nearest}"
+        )
+    return per_process
 
 
 def fixed_degree(recipe: Recipe, config: Any, num_processes: int) -> int:
@@ -332,11 +409,14 @@ def shrink_plan(plan: BatchPlan, per_process: int, at_most: int | None = None) -
 
 def check_engine(recipe: Recipe, engine: Engine, objective: Objective) -> None:
     """Refuse, before the accelerator and the model, what the launcher's engine cannot run."""
-    if engine == "zero3" and recipe.peft.method != "none" and recipe.training.gradient_checkpointing:
+    fixed = checkpointing_of(recipe.training.gradient_checkpointing)
+    if engine == "zero3" and recipe.peft.method != "none" and fixed is not None and fixed.enabled:
         # ZeRO-3 frees partitioned weights that non-reentrant recomputation then needs (a known
-        # DeepSpeed/peft failure); refuse it here rather than at the first backward.
+        # DeepSpeed/peft failure); refuse it here rather than at the first backward. `auto` is planned without
+        # recomputation there (`runnable_recipe`).
         raise SetupError(
             "LoRA + gradient checkpointing under DeepSpeed ZeRO-3 fails with non-reentrant checkpointing."
-            " Use recipes/accelerate/fsdp2.yaml or deepspeed_zero2.yaml, or turn checkpointing off."
+            " Use recipes/accelerate/fsdp2.yaml or deepspeed_zero2.yaml, or set training.gradient_checkpointing to"
+            " false or auto (planned without it under ZeRO-3)."
         )
     objective.check_engine(engine)

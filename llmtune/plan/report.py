@@ -11,6 +11,21 @@ from llmtune.units import format_bytes
 _METHOD_NAMES = {"lora": "LoRA", "dora": "DoRA", "qlora": "QLoRA (4-bit NF4 base)"}
 
 
+def forecasts(plan: BatchPlan) -> bool:
+    """Whether the plan's speeds are a forecast, not only a ranking: from a datasheet's rates or ones measured on the
+    device, not `NOMINAL_RATES` (a compiled run's rates say so after theirs, `timing.compiled`)."""
+    return not (plan.rates_source or "").startswith(NOMINAL_RATES.source)
+
+
+def speeds_shown(plan: BatchPlan, speeds: list[float | None]) -> list[str]:
+    """Predicted tokens/s as a table shows them: in tokens/s where `plan`'s rates forecast (`forecasts`), else as a
+    share of the fastest ("0.68"), which ranks without claiming a time; '-' for none."""
+    if forecasts(plan):
+        return [f"{v:,.0f}" if v else "-" for v in speeds]
+    top = max((v for v in speeds if v), default=1.0)
+    return [f"{v / top:.2f}" if v else "-" for v in speeds]
+
+
 def format_plan(plan: BatchPlan, title: str) -> str:
     """A readable table: the breakdown at the predicted peak, then the choice."""
     e = plan.estimate
@@ -68,9 +83,10 @@ def _split(plan: BatchPlan) -> str:
 def format_degrees(plan: BatchPlan) -> list[str]:
     """Each sequence-parallel degree and tiling the planner weighed: its choice (or its fastest candidate and why
     it lost), the choice marked."""
-    rows = [("degree", "tokens a process", "MLP", "micro", "checkpointing", "peak", "tokens/s", "")]
-    for d in plan.degrees:
-        peak, speed = d["predicted_peak_bytes"], d["predicted_tokens_per_s"]
+    shown = speeds_shown(plan, [d["predicted_tokens_per_s"] for d in plan.degrees])
+    rows = [("degree", "tokens a process", "MLP", "micro", "checkpointing", "peak", _speed_heading(plan), "")]
+    for d, speed in zip(plan.degrees, shown, strict=True):
+        peak = d["predicted_peak_bytes"]
         rows.append(
             (
                 str(d["sequence_parallel"]),
@@ -79,12 +95,13 @@ def format_degrees(plan: BatchPlan) -> list[str]:
                 str(d["micro_batch_size"] or "-"),
                 d["checkpointing"] or "-",
                 format_bytes(peak) if peak is not None else "-",
-                f"{speed:,.0f}" if speed is not None else "-",
+                speed,
                 "<- chosen" if d["chosen"] else d["why"],
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(7)]
-    lines = ["sequence parallelism weighed (tokens/s a process, its all-to-alls over the cards' link):"]
+    per = "tokens/s a process" if forecasts(plan) else "speed against the fastest"
+    lines = [f"sequence parallelism weighed ({per}, its all-to-alls over the cards' link):"]
     return lines + ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=False)) + "  " + r[7] for r in rows]
 
 
@@ -119,9 +136,7 @@ def format_frontier(plan: BatchPlan) -> list[str]:
     """What the planner weighed, fastest first: memory saved against speed paid, the choice marked. One row per
     setting -- its fastest candidate that fits, else its smallest micro-batch weighed (why it was ruled out),
     else its fastest not weighed -- and the choice. Nominal rates (no device to measure) give speeds relative to
-    the fastest candidate only."""
-    nominal = plan.rates_source == NOMINAL_RATES.source
-    top = max((c["predicted_tokens_per_s"] for c in plan.frontier), default=1.0)
+    the fastest candidate only (`speeds_shown`)."""
 
     def is_chosen(c: dict[str, Any]) -> bool:
         ckpt = plan.checkpointing
@@ -137,15 +152,15 @@ def format_frontier(plan: BatchPlan) -> list[str]:
         kept = shown.get(c["checkpointing"])
         if kept is None or kept["fits"] is None or (c["fits"] is not None and not kept["fits"]) or is_chosen(c):
             shown[c["checkpointing"]] = c
-    rows = [("checkpointing", "micro", "peak", "x fastest" if nominal else "tokens/s", "fits", "")]
-    for c in sorted(shown.values(), key=lambda c: -c["predicted_tokens_per_s"]):
-        speed = c["predicted_tokens_per_s"]
+    rows = [("checkpointing", "micro", "peak", _speed_heading(plan), "fits", "")]
+    ordered = sorted(shown.values(), key=lambda c: -c["predicted_tokens_per_s"])  # the fastest of all among them
+    for c, speed in zip(ordered, speeds_shown(plan, [c["predicted_tokens_per_s"] for c in ordered]), strict=True):
         rows.append(
             (
                 c["checkpointing"],
                 str(c["micro_batch_size"]),
                 c["predicted_peak"] or "-",
-                f"{speed / top:.2f}" if nominal else f"{speed:,.0f}",
+                speed,
                 {True: "yes", False: "no", None: "-"}[c["fits"]],
                 ("<- chosen " if is_chosen(c) else "") + _pinned(c),
             )
@@ -164,6 +179,10 @@ def format_frontier(plan: BatchPlan) -> list[str]:
             + (f"  {r[5]}" if r[5] else "")
         )
     return lines
+
+
+def _speed_heading(plan: BatchPlan) -> str:
+    return "tokens/s" if forecasts(plan) else "x fastest"
 
 
 def _pinned(c: dict[str, Any]) -> str:

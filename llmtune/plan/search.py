@@ -10,10 +10,11 @@ from typing import Any
 
 from llmtune.errors import SetupError
 from llmtune.model.tiling import mlp_tiles
+from llmtune.parallel.sequence import off_node_share
 from llmtune.plan.batch_plan import BatchPlan, MemoryPlanError, SequenceParallelError
 from llmtune.plan.communication import Traffic, engine_traffic, step_seconds
 from llmtune.plan.estimate import MemoryEstimate, estimate_all
-from llmtune.plan.timing import NOMINAL_RATES, Rates, alltoall_seconds
+from llmtune.plan.timing import NETWORK_BYTES_PER_S, NOMINAL_RATES, Rates, alltoall_seconds
 from llmtune.recipe import Checkpointing, checkpointed_layers, checkpointing_of
 from llmtune.units import format_bytes
 
@@ -83,6 +84,7 @@ def plan_micro_batch(
     host_bytes: int | None = None,
     sequence_parallel: int | str = 1,
     tiled_mlp: bool | str = False,
+    processes_per_node: int | None = None,
     **estimate_kwargs: Any,
 ) -> BatchPlan:
     """The fastest predicted micro-batch and checkpointing that fit `budget_bytes` and divide the global batch, and
@@ -94,9 +96,11 @@ def plan_micro_batch(
     memory this process may pin; an offloaded candidate that would pin more does not fit (None: not known).
     `sequence_parallel`: N splits every row across groups of N of the `num_processes` (`llmtune.parallel.sequence`; the
     data-parallel processes are num_processes / N, global = micro x accumulation x those); "auto" weighs every
-    degree that divides the processes and the model's heads (`sequence_degrees`). `tiled_mlp`: True computes the
-    MLPs in sequence tiles (`llmtune.model.tiling`); "auto" weighs it where no degree fits whole MLPs: it costs
-    recomputation.
+    degree that divides the processes and the model's heads and keeps its groups on a node (`sequence_degrees`);
+    a fixed degree whose groups span nodes has its all-to-alls timed over the network
+    (`llmtune.plan.timing.alltoall_seconds`). `processes_per_node`: the processes a node holds (None: not known, taken
+    as `NODE_PROCESSES`). `tiled_mlp`: True computes the MLPs in sequence tiles (`llmtune.model.tiling`); "auto"
+    weighs it where no degree fits whole MLPs: it costs recomputation.
     """
     text = getattr(config, "get_text_config", lambda: config)()
     layers = int(text.num_hidden_layers)
@@ -105,9 +109,9 @@ def plan_micro_batch(
     on_gpu = estimate_kwargs.get("device", "cuda") == "cuda"
     # Offloading copies to host memory: on a CPU that is the memory it already uses.
     modes = checkpointing_choices(layers, offload=on_gpu) if fixed is None else [fixed]
-    degrees = sequence_degrees(config, num_processes, sequence_parallel)
-    if sequence_parallel == "auto" and on_gpu:
-        degrees = [d for d in degrees if d == 1 or seq_len // d >= GPU_MIN_SHARD_TOKENS]
+    degrees, per_node = _degrees_to_weigh(
+        config, num_processes, sequence_parallel, processes_per_node, seq_len if on_gpu else None
+    )
     log.info(
         "planning: %d checkpointing setting(s) x sequence-parallel degree(s) %s x %d tokens against %s",
         len(modes),
@@ -118,6 +122,7 @@ def plan_micro_batch(
     space = _Space(
         config, layers, int(text.hidden_size), seq_len, num_processes, global_batch_size, micro_batch_size,
         rates or NOMINAL_RATES, estimate_kwargs, host_bytes, tiled_mlp == "auto", modes, budget_bytes, fixed is None,
+        per_node,
     )  # fmt: skip
     weighed: list[_Weighed] = []
     # Tiled MLPs (auto) only where no degree fits whole ones: their recomputation costs more than a degree's
@@ -147,6 +152,7 @@ class _Space:
     modes: list[Checkpointing]
     budget_bytes: int
     auto_checkpointing: bool
+    per_node: int  # processes a node holds: where a sequence group's all-to-alls go (`off_node_share`)
 
     def search_at(self, degree: int, tiled: bool) -> _Search | None:
         sizes = _sizes(self.global_batch_size, self.num_processes // degree, self.micro_batch_size)
@@ -156,7 +162,7 @@ class _Space:
             return None  # a row's part in one tile: tiling changes nothing
         rows = self.global_batch_size // (self.num_processes // degree)  # a process trains a part of its group's rows
         settings = (self.config, self.layers, self.seq_len, self.num_processes, rows, sizes[0], self.rates)
-        return _Search(*settings, self.estimate_kwargs, self.host_bytes, degree, tiled, sizes=sizes)
+        return _Search(*settings, self.estimate_kwargs, self.host_bytes, degree, tiled, sizes, per_node=self.per_node)
 
 
 def _weigh_degrees(space: _Space, degrees: list[int], tiled: bool, weighed: list[_Weighed]) -> None:
@@ -310,13 +316,44 @@ def _lost(w: _Weighed, chosen: bool, budget_bytes: int) -> str:
 # splits
 # as asked.
 GPU_MIN_SHARD_TOKENS = 1024
+# The processes a node holds where nothing says (`llmtune estimate`; a launched run reads LOCAL_WORLD_SIZE): the
+# common GPU server's 8 GPUs, or all the processes where there are fewer.
+NODE_PROCESSES = 8
 
 
-def sequence_degrees(config: Any, num_processes: int, requested: int | str) -> list[int]:
+def _degrees_to_weigh(
+    config: Any, num_processes: int, requested: int | str, processes_per_node: int | None, gpu_seq_len: int | None
+) -> tuple[list[int], int]:
+    """`sequence_degrees` on nodes of `processes_per_node` (None: not known, `NODE_PROCESSES` taken, and said so),
+    auto's on a GPU (`gpu_seq_len`: the rows' tokens) no finer than `GPU_MIN_SHARD_TOKENS` a process; and the
+    processes a node holds. A fixed degree whose groups span nodes is weighed as asked: what of its all-to-alls
+    crosses the network is timed there, and said so."""
+    per_node = min(num_processes, processes_per_node or NODE_PROCESSES)
+    if processes_per_node is None and num_processes > 1:
+        log.info("planning: the processes a node holds are not known; taken as %d", per_node)
+    degrees = sequence_degrees(config, num_processes, requested, per_node)
+    if requested == "auto":
+        fine = [d for d in degrees if d == 1 or gpu_seq_len is None or gpu_seq_len // d >= GPU_MIN_SHARD_TOKENS]
+        return fine, per_node
+    share = off_node_share(degrees[0], per_node, num_processes)
+    if share:
+        log.info(
+            "parallel.sequence_parallel=%d spans nodes of %d processes: %.0f%% of its all-to-alls' bytes are timed over"
+            " the network at a nominal %.0f GB/s",
+            degrees[0],
+            per_node,
+            100 * share,
+            NETWORK_BYTES_PER_S / 1e9,
+        )
+    return degrees, per_node
+
+
+def sequence_degrees(config: Any, num_processes: int, requested: int | str, per_node: int | None = None) -> list[int]:
     """The sequence-parallel degrees to weigh, ascending: `requested` alone, or for "auto" every divisor of the
-    processes that the model can be split across (`llmtune.parallel.sequence.refusal`). A fixed degree that does not
-    divide
-    the processes, or that the model cannot take, is refused in one line."""
+    processes whose groups stay on a node of `per_node` processes (None: one node holds them all;
+    `llmtune.parallel.sequence.off_node_share`) and that the model can be split across
+    (`llmtune.parallel.sequence.refusal`). A fixed degree that does not divide the processes, or that the model cannot
+    take, is refused in one line."""
     from llmtune.parallel.sequence import refusal
 
     if requested != "auto":
@@ -330,7 +367,12 @@ def sequence_degrees(config: Any, num_processes: int, requested: int | str) -> l
         if why is not None:
             raise SequenceParallelError(f"parallel.sequence_parallel={degree}: {why}")
         return [degree]
-    return [d for d in range(1, num_processes + 1) if num_processes % d == 0 and refusal(config, d) is None]
+    node = per_node or num_processes
+    return [
+        d
+        for d in range(1, num_processes + 1)
+        if num_processes % d == 0 and not off_node_share(d, node, num_processes) and refusal(config, d) is None
+    ]
 
 
 @dataclass
@@ -350,6 +392,7 @@ class _Search:
     degree: int = 1  # processes a row is split across (`per_process`: the rows of each, its group's)
     tiled: bool = False  # the MLPs computed in sequence tiles
     sizes: list[int] = field(default_factory=list)  # the micro-batches weighed, ascending (`m0` the first)
+    per_node: int | None = None  # the processes a node holds (None: one node holds them all)
     estimates: dict[tuple[int, Checkpointing], MemoryEstimate] = field(default_factory=dict)
     uniform: dict[Checkpointing, MemoryEstimate] = field(default_factory=dict)
 
@@ -430,7 +473,8 @@ class _Search:
         else:
             work, update = uniform[mode].work, uniform[mode].optimizer_work
         scaled = replace(work * (m / self.m0), ops=work.ops, block_ops=work.block_ops)
-        alltoall = alltoall_seconds(self.alltoall_bytes(mode, m), self.rates)
+        off_node = off_node_share(self.degree, self.per_node or self.num_processes, self.num_processes)
+        alltoall = alltoall_seconds(self.alltoall_bytes(mode, m), self.rates, off_node)
         micro = self.rates.seconds(scaled, rows=m * self.shard) + alltoall
         seconds = step_seconds(
             micro, self.per_process // m, self.rates.seconds(update), self.traffic(), self.rates.link_bytes_per_s
@@ -503,12 +547,14 @@ def _does_not_fit(search: _Search, least: Checkpointing, budget_bytes: int) -> M
     hidden = int(search.config.get_text_config().hidden_size)
     tileable = not search.tiled and mlp_tiles(search.seq_len // search.degree, hidden) > 1
     remedies = _remedies(search.settings, least, tileable)
-    return MemoryPlanError(
+    error = MemoryPlanError(
         f"micro-batch {search.m0} x {search.seq_len} tokens{split} is predicted to peak at "
         f"{format_bytes(smallest.reserved_bytes)} ({smallest.peak_phase}), over the budget of "
         f"{format_bytes(budget_bytes)}. Try: {', '.join([*_more_processes(search, least, budget_bytes), *remedies])}."
         " Breakdown at the peak: " + ", ".join(f"{k}={format_bytes(v)}" for k, v in smallest.breakdown.items())
     )
+    error.estimate = smallest  # what an engine's row reads its reason from (`llmtune.plan.planning.plan_engines`)
+    return error
 
 
 # How far beyond the launch's processes `_more_processes` looks: sequence groups 2, 4 and 8 times as large.
@@ -516,21 +562,30 @@ MORE_PROCESSES = (2, 4, 8)
 
 
 def _more_processes(search: _Search, least: Checkpointing, budget_bytes: int) -> list[str]:
-    """The smallest larger sequence-parallel degree (on as many more processes, the data-parallel ones as they are)
-    at which the smallest micro-batch with the least memory fits, with its peak; nothing where none does (a remedy
-    that does not fit is none) or the model's heads allow no larger degree."""
+    """The smallest larger sequence-parallel degree at which the smallest micro-batch with the least memory fits, with
+    its peak: on these processes where they divide by it (fewer data-parallel groups, each training more rows), else
+    on as many more processes (the data-parallel ones as they are); nothing where none fits (a remedy that does not
+    fit is none) or the model's heads allow no larger degree."""
     from llmtune.parallel.sequence import refusal
 
     for k in MORE_PROCESSES:
         degree = search.degree * k
         if refusal(search.config, degree) is not None:
             continue
-        larger = replace(search, num_processes=search.num_processes * k, degree=degree, estimates={}, uniform={})
+        n = search.num_processes
+        if n % degree == 0:  # these processes take it (auto leaves out a degree whose groups span nodes)
+            larger = replace(search, degree=degree, per_process=search.per_process * k, estimates={}, uniform={})
+            where = f"parallel.sequence_parallel={degree} on these {n} processes"
+            if off_node_share(degree, search.per_node or n, n):
+                where += " (its groups span nodes: all-to-alls over the network)"
+        else:
+            larger = replace(search, num_processes=n * k, degree=degree, estimates={}, uniform={})
+            where = f"sequence parallel {degree} on {larger.num_processes} processes"
         peak = larger.predict(search.m0, least).reserved_bytes
         if peak <= budget_bytes:
             return [
-                f"sequence parallel {degree} on {larger.num_processes} processes ({larger.shard} tokens a process"
-                f"{', MLPs in tiles' if search.tiled else ''}; predicted peak {format_bytes(peak)}, fits)"
+                f"{where} ({larger.shard} tokens a process{', MLPs in tiles' if search.tiled else ''}; predicted peak"
+                f" {format_bytes(peak)}, fits)"
             ]
     return []
 

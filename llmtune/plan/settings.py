@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from llmtune.model.experts import EXPERTS_IMPLEMENTATIONS
 from llmtune.model.precision import OFFLOAD_NEEDS_CUDA
 from llmtune.ops.loss import default_chunk_size
 from llmtune.recipe import Checkpointing, checkpointing_of
@@ -60,6 +61,8 @@ class Settings:
     # shard of `seq_len` / sequence_parallel tokens a row, attention all-to-all'd to the whole rows at its heads' share.
     sequence_parallel: int = 1
     tiled_mlp: bool = False  # each decoder MLP computed in sequence tiles (llmtune.model.tiling)
+    # A mixture of experts' kernel (llmtune.model.experts): transformers' default, as a run decides it for the device
+    experts_implementation: str = "grouped_mm"
 
     @property
     def sharded_16bit(self) -> bool:
@@ -133,6 +136,7 @@ def _validate(s: Settings) -> None:
         ("loss", s.loss, LOSSES),
         ("sharding", s.sharding, SHARDINGS),
         ("device", s.device, DEVICES),
+        ("experts_implementation", s.experts_implementation, EXPERTS_IMPLEMENTATIONS),
     ):
         if value not in allowed:
             raise ValueError(f"{name}={value!r}; expected one of {allowed}")

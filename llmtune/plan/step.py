@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from llmtune.model.adapters import cast_trained, peft_quietly
+from llmtune.model.adapters import cast_trained, lora_config, peft_quietly
 from llmtune.objectives import Objective, objective_named
 from llmtune.ops.optim import build_optimizer
-from llmtune.plan.kernels import AdamW8bitModel, quantize_base_4bit, upcast_for_kbit_training
+from llmtune.plan.kernels import AdamW8bitModel, quantize_base_4bit, route_balanced, upcast_for_kbit_training
 from llmtune.plan.settings import Settings
 
 
@@ -42,6 +42,7 @@ def build_model(config: Any, s: Settings) -> torch.nn.Module:
     """The model as `llmtune.model.load.load_model` builds it for training, on fake tensors."""
     from transformers import AutoModelForCausalLM
 
+    from llmtune.model.experts import experts_implementation_of
     from llmtune.model.load import check_attn_implementation
     from llmtune.model.precision import check_bitsandbytes_device
 
@@ -59,12 +60,15 @@ def build_model(config: Any, s: Settings) -> torch.nn.Module:
     # keeps the same output and fp32 log-sum-exp, so it stands in for it.
     attn = "sdpa" if s.attn_implementation == "flash_attention_2" else s.attn_implementation
     # Full init on fake tensors costs nothing real and keeps what init does beyond values
-    # (tying the lm head to the embedding).
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
+    # (tying the lm head to the embedding). A mixture of experts' kernel as the run loads it (None: no experts).
+    experts = experts_implementation_of(cfg, s.experts_implementation)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype, experts_implementation=experts)
+    if experts == "eager":  # its loop over the experts hit reads the routing, which fake tensors do not have
+        route_balanced(model)
     lora = s.lora
     if lora is None:
         return model
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     target = lora.target_modules
     # peft moves each new adapter to its base layer's device with Module.to(), which on fake
@@ -76,13 +80,13 @@ def build_model(config: Any, s: Settings) -> torch.nn.Module:
         with peft_quietly():
             model = get_peft_model(
                 model,
-                LoraConfig(
-                    r=lora.rank,
-                    lora_alpha=lora.alpha,
+                lora_config(
+                    model,
+                    rank=lora.rank,
+                    alpha=lora.alpha,
                     target_modules=target if isinstance(target, str) else list(target),
-                    lora_dropout=0.1 if lora.dropout else 0.0,
-                    use_dora=lora.method == "dora",
-                    task_type="CAUSAL_LM",
+                    dropout=0.1 if lora.dropout else 0.0,
+                    dora=lora.method == "dora",
                 ),
             )
     finally:

@@ -182,15 +182,24 @@ class Rates:
 # forecasts no time. The data-parallel engines' collectives are charged only over a known link
 # (`llmtune.plan.communication.step_seconds`): they overlap compute, where the all-to-alls stand in its way.
 UNKNOWN_LINK_BYTES_PER_S = 2e9
+# Between nodes, whose network no datasheet of a card says: 25 GB/s a direction a process, one 200 Gb/s NIC a GPU
+# (InfiniBand HDR, or RoCE), as GPU clusters are commonly built (NDR's 400 Gb/s is twice it, a cloud's Ethernet can be
+# a fraction of it). Nominal: it makes a group that spans nodes slower than one that does not, by about what it
+# costs, and forecasts no more than that.
+NETWORK_BYTES_PER_S = 25e9
 
 
-def alltoall_seconds(nbytes: float, rates: Rates) -> float:
+def alltoall_seconds(nbytes: float, rates: Rates, off_node: float = 0.0) -> float:
     """Seconds a process spends in all-to-alls that send `nbytes` of its to the others (`llmtune.parallel.sequence`'s:
     attention waits for its inputs, so nothing hides them): at the bus bandwidth NCCL reaches on the link between the
     node's GPUs (`LINK_EFFICIENCY` of its datasheet rate a direction; an all-to-all's pieces leave each process over
-    its own link), or at `UNKNOWN_LINK_BYTES_PER_S`."""
+    its own link), or at `UNKNOWN_LINK_BYTES_PER_S`. `off_node`: the share of the bytes that goes to other nodes
+    (`llmtune.parallel.sequence.off_node_share`), over the network at `NETWORK_BYTES_PER_S`, no faster than the
+    node's link; the two parts added, not overlapped, so that a group that spans nodes is never timed faster than one
+    on a node (the network's part is most of the time either way)."""
     link = rates.link_bytes_per_s
-    return nbytes / (LINK_EFFICIENCY * link if link else UNKNOWN_LINK_BYTES_PER_S)
+    on_node = LINK_EFFICIENCY * link if link else UNKNOWN_LINK_BYTES_PER_S
+    return nbytes * (1 - off_node) / on_node + nbytes * off_node / min(NETWORK_BYTES_PER_S, on_node)
 
 
 def compiled(rates: Rates) -> Rates:

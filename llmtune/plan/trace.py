@@ -19,13 +19,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from llmtune.model.attention import attention_for
 from llmtune.model.blocks import apply_checkpointing
+from llmtune.model.experts import experts_implementation_of
 from llmtune.model.tiling import tile_mlp
 from llmtune.objectives import Objective
 from llmtune.ops.loss import decoder_of
 from llmtune.parallel.sequence import ULYSSES, planned_degree
 from llmtune.plan.allocator import reserved_peak
 from llmtune.plan.counter import SegmentPeak, TraceCounter
-from llmtune.plan.kernels import CudaKernels, parameter_count
+from llmtune.plan.kernels import CudaKernels, GroupedMmKernel, parameter_count
 from llmtune.plan.offload import count_saved_inputs, offload_saved_inputs
 from llmtune.plan.settings import Settings
 from llmtune.plan.sharding import ModelBytes, Sharding, sharding_plan
@@ -53,7 +54,15 @@ def trace_step(config: Any, s: Settings, period: int) -> Trace:
     objective = objective_of(s)
     inputs = micro_batch(objective, s)
     # As one process of a sequence group: each all-to-all a buffer of its output's shape (llmtune.parallel.sequence).
-    with FakeTensorMode() as fake, _no_packed_mask() if fa2 else nullcontext(), planned_degree(s.sequence_parallel):
+    # Below the counter, which counts what the stand-in makes as the grouped matmul's output.
+    experts = experts_implementation_of(config, s.experts_implementation)
+    grouped_mm = GroupedMmKernel() if experts == "grouped_mm" else nullcontext()
+    with (
+        FakeTensorMode() as fake,
+        grouped_mm,
+        _no_packed_mask() if fa2 else nullcontext(),
+        planned_degree(s.sequence_parallel),
+    ):
         model, module, opt = _steady_state(config, objective, s)
         trainable = [p for p in model.parameters() if p.requires_grad]
         layers = _decoder_layers(model)

@@ -75,9 +75,10 @@ def step_batches(run: Run, rows: list[dict]) -> StepBatches:
 
 
 def collate_for(run: Run, examples: list[dict]) -> dict[str, torch.Tensor]:
-    # A compiled model recompiles for every new shape: packed rows are then padded to max_length (a fill
-    # of ~95% costs little), so every micro-batch has the shape the memory plan assumed. Split along the sequence,
-    # rows are padded to a multiple of the group's processes.
+    # A compiled model recompiles for every new shape: packed rows are then padded to max_length, rounded up to the
+    # group's processes where split along the sequence (a fill of ~95% costs little), so every micro-batch has the
+    # shape the memory plan traced. Otherwise, split along the sequence, rows are padded to a multiple of the group's
+    # processes.
     static = run.data.packed and run.recipe.training.compiles(run.accelerator.device.type)
     return run.objective.collate(
         examples,

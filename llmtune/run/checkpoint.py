@@ -13,8 +13,9 @@ step 200 is there) writes step 110 after step 200. Each checkpoint's state recor
 any checkpoint already in the folder) and its `lineage` (the checkpoints the run that wrote it descends from):
 `resume: auto` takes the newest written, and `keep_last` prunes only the run's own lineage, never another branch.
 
-Whole means every file: once all processes have written theirs, the main process lists each file of the folder with
-its size in `manifest.json`, written last (atomically), before the folder is renamed into place. A checkpoint is
+Whole means every file: once all processes have written theirs, each lists the files it sees (its own among them,
+whatever another node's directory cache shows), and the main process writes them all with their sizes in
+`manifest.json`, last (atomically), before the folder is renamed into place. A checkpoint is
 sound only when its manifest is there and every file it names has that size: a partly copied folder, or one missing
 a process's `random_states_1.pkl`, is not resumed; `resume: auto` falls back to the newest sound one, saying which it
 skipped and why.
@@ -36,8 +37,9 @@ from typing import Any
 import torch
 import yaml
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 
-from llmtune.errors import RunFailed, UserError
+from llmtune.errors import LlmtuneError, NothingToDo, RunFailed, UserError
 from llmtune.files import replace_dir
 from llmtune.parallel import engines
 from llmtune.recipe import Recipe, flatten
@@ -112,17 +114,30 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for p in checkpoint_folders(output_dir) if unsound(p) is None]
 
 
-def write_manifest(folder: Path) -> None:
-    """List every file of `folder` with its size in MANIFEST_FILE, atomically: its presence says the rest is whole.
-    It also names its writer (uid and host): a resume of another user's checkpoint must be asked for (`foreign`)."""
-    files = {
+def file_sizes(folder: Path) -> dict[str, int]:
+    """Every file of `folder` this process sees, by its path there, with its size (the manifest aside)."""
+    return {
         str(p.relative_to(folder)): p.stat().st_size
         for p in sorted(folder.rglob("*"))
         if p.is_file() and p.name != MANIFEST_FILE
     }
+
+
+def write_manifest(folder: Path, reports: list[dict[str, int]]) -> None:
+    """List every file of `folder` with its size in MANIFEST_FILE, atomically: its presence says the rest is whole.
+    It also names its writer (uid and host): a resume of another user's checkpoint must be asked for (`foreign`).
+
+    `reports`: each process's `file_sizes` of the folder. On storage shared by several
+    nodes that caches directories, one node's listing may miss a file another node wrote, or see it at an older size,
+    never its writer's: the manifest holds every file any process saw, at the largest size seen (a checkpoint's
+    files are written once, in a fresh folder: they only grow)."""
+    files: dict[str, int] = {}
+    for report in reports:
+        for name, size in report.items():
+            files[name] = max(size, files.get(name, 0))
     writer = {"uid": os.getuid(), "host": socket.gethostname()}
     tmp = folder / f".{MANIFEST_FILE}.tmp"
-    tmp.write_text(json.dumps({"writer": writer, "files": files}, indent=1) + "\n")
+    tmp.write_text(json.dumps({"writer": writer, "files": dict(sorted(files.items()))}, indent=1) + "\n")
     os.replace(tmp, folder / MANIFEST_FILE)
 
 
@@ -203,16 +218,27 @@ def agreed_resume_point(accelerator: Accelerator, r: Recipe, engine: engines.Eng
     """`resume_point` decided by the main process, its answer (or refusal) shared: every process must load the same
     checkpoint, and only one should log what it skipped."""
 
-    def decide() -> tuple[Path | None, str | None]:
+    def decide() -> tuple[Path | None, LlmtuneError | None]:
         try:
             return resume_point(r, engine, accelerator.num_processes), None
-        except ResumeError as err:
-            return None, str(err)
+        except (ResumeError, NothingToDo) as err:
+            return None, err
 
     path, refused = engines.decided_by_main(accelerator, decide)
     if refused is not None:
-        raise ResumeError(refused)
+        raise refused
     return path
+
+
+def completed_steps(output_dir: str | Path) -> int | None:
+    """The steps of the run that finished in `output_dir` (its run_summary.json, written after final/), or None."""
+    summary = Path(output_dir).expanduser() / "run_summary.json"
+    if not (summary.parent / "final").is_dir() or not summary.is_file():
+        return None
+    try:
+        return int(json.loads(summary.read_text())["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable: judged as no finished run (the checks below still apply)
 
 
 def resume_point(r: Recipe, engine: engines.Engine = "ddp", processes: int = 1) -> Path | None:
@@ -221,6 +247,12 @@ def resume_point(r: Recipe, engine: engines.Engine = "ddp", processes: int = 1) 
 
     Called before anything heavy loads, so a refusal costs nothing.
     """
+    done = completed_steps(r.output_dir)
+    if r.checkpoint.resume == "auto" and not r.overwrite and done is not None and done >= r.training.max_steps:
+        raise NothingToDo(
+            f"{r.output_dir} holds a complete run ({done} steps, final/ written), left as it is: raise"
+            " training.max_steps to train on from its newest checkpoint, or set overwrite=true to start over"
+        )
     path = resolve_resume(r.output_dir, r.checkpoint.resume)
     if path is None:
         if r.checkpoint.resume == "none" and not r.overwrite and checkpoint_folders(r.output_dir):
@@ -257,7 +289,14 @@ def resume_point(r: Recipe, engine: engines.Engine = "ddp", processes: int = 1) 
 START_OVER = "checkpoint.resume=none overwrite=true (the new run replaces checkpoints and final/ as it writes its own)"
 # Recipe keys that only change how the global batch is split or recomputed: a resume plans them again
 # (`llmtune.run.setup.resumed_plan`), the global batch kept.
-REPLANNED_KEYS = ("training.micro_batch_size", "training.gradient_checkpointing", "memory.budget")
+REPLANNED_KEYS = (
+    "training.micro_batch_size",
+    "training.gradient_checkpointing",
+    "memory.budget",
+    "parallel.sequence_parallel",
+    "parallel.tiled_mlp",
+    "model.experts_implementation",  # the experts' kernel: what their activations keep
+)
 
 
 def replans(change: str) -> bool:
@@ -339,8 +378,9 @@ def save_checkpoint(
             (tmp / STATE_FILE).write_text(json.dumps({**state, "serial": serial}, indent=2))
             (tmp / "recipe.yaml").write_text(recipe_yaml)
         accelerator.wait_for_everyone()  # every process's files (RNG states, shards) are written: list them
+        reports = gather_object([file_sizes(tmp)])  # each process's own view, its own files whole in it
         if accelerator.is_main_process:
-            write_manifest(tmp)
+            write_manifest(tmp, reports)
     _publish(accelerator, tmp, final)  # renames only, outside `writing`: a failure there must not remove tmp
     if accelerator.is_main_process:
         ours = {*state["lineage"], name}
@@ -454,9 +494,11 @@ def save_final(
     adapters_only: bool = False,
     save_base: bool = False,
     prompt_layout: str,
+    card: str,
 ) -> Path:
-    """Write `final/` atomically: a loadable `save_pretrained` model (or adapter), the tokenizer and the prompt
-    layout the run trained with (`PROMPT_LAYOUT_FILE`: nothing in a Hugging Face folder says it was Alpaca's).
+    """Write `final/` atomically: a loadable `save_pretrained` model (or adapter), the tokenizer, the prompt
+    layout the run trained with (`PROMPT_LAYOUT_FILE`: nothing in a Hugging Face folder says it was Alpaca's) and
+    `card`, its model card (README.md, in place of PEFT's template; llmtune.run.model_card).
 
     `adapters_only`: the model is a peft model whose adapter is what `final/` holds; its frozen base is not
     gathered. `save_base` also writes the frozen base under `final/base/`: a randomly initialised base exists on
@@ -479,6 +521,7 @@ def save_final(
             inner.save_pretrained(tmp, state_dict=weights, **extra)
             tokenizer.save_pretrained(tmp)
             (tmp / PROMPT_LAYOUT_FILE).write_text(json.dumps({"layout": prompt_layout}) + "\n")
+            (tmp / "README.md").write_text(card)  # after save_pretrained, which writes PEFT's template there
             if save_base:
                 from llmtune.model.merge import BASE_DIR, save_base_weights
 

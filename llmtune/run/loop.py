@@ -9,6 +9,7 @@ count. Evaluation (llmtune.run.evaluate) and checkpoints (llmtune.run.saving) co
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -66,17 +67,19 @@ def loop(run: Run) -> dict[str, Any]:
     # from_pretrained returns the model in eval mode, and transformers checkpoints activations (and applies
     # dropout) only in training mode: without this the steps before the first evaluation ran with neither.
     run.model.train()
-    # Log lines go through the progress bar's own writer: printed straight to the terminal, they land on the bar's line.
-    # The next step's rows are drawn and collated in the background while this one trains (`prepare_ahead`).
+    # Log lines go through the progress bar's own writer where one is drawn: printed straight to the terminal, they
+    # land on the bar's line. The next step's rows are drawn and collated in the background while this one trains
+    # (`prepare_ahead`).
     with (
-        Preemption(release=run.lock.release) as preemption,
-        logging_redirect_tqdm(),
+        Preemption(first_grace_s=r.distributed.timeout, release=run.lock.release) as preemption,
+        logging_redirect_tqdm() if metrics.drawn else contextlib.nullcontext(),
         Prefetcher(lambda s: prepare_ahead(run, s), end=r.training.max_steps, device=acc.device) as upcoming,
     ):
         while step < r.training.max_steps:
+            begun = time.perf_counter()  # the whole step, rollout (GRPO) to checkpoint: the grace a signal gives
             batches = batches_for(run, upcoming.get(step), step)
             lr = set_learning_rate(run.optimizer, r, step)
-            t0 = time.perf_counter()  # the step; with its evaluation and checkpoint below, the grace a signal gives
+            t0 = time.perf_counter()  # the optimizer step alone: its speed
             result, peak, reserved = measured_step(run, batches, step)
             if result is None:  # out of memory: the plan shrank; redo the same step
                 continue
@@ -93,15 +96,15 @@ def loop(run: Run) -> dict[str, Any]:
             if save_or_stop(run, step, preemption, checkpoint_ok=not guard.in_a_row):
                 metrics.close()
                 # Still under the handler: once one process has exited the launcher SIGTERMs the others, and one that
-                # died holding the lock would leave it to refuse the requeued run (on another host, for good).
+                # died holding the lock would leave it to refuse a requeue on another host until its lease expires.
                 run.lock.release()
                 return {"preempted_at_step": step}
-            preemption.grace_s = max(preemption.grace_s, 3 * (time.perf_counter() - t0))
+            preemption.timed(time.perf_counter() - begun)
         # Under the handler: a signal now lets the final model be written whole (the run is done: exit 0), where the
         # default action cut the write and, without checkpoints, lost the whole run.
         preemption.then = "finishing the final save (the run is done), then exiting"
         with preemption.saving():
-            final = save_final(run, step)
+            final = save_final(run, step, eval_loss)
     summary = run_summary(run, metrics, measured.peaks, time.perf_counter() - started, step, eval_loss, final)
     metrics.close(summary)
     return summary

@@ -148,7 +148,7 @@ def _step_line(step: int, values: dict[str, float]) -> str:
     """The line printed every logging.every_n_steps."""
     return (
         f"step {step:>6}  loss {values['loss']:.4f}  lr {values['lr']:.2e}  grad_norm {values['grad_norm']:.3f}"
-        f"  {values['tokens_per_s']:.0f} tok/s  MFU {values['mfu']:.1%}"
+        f"  {values['tokens_per_s']:.0f} trained tok/s  MFU {values['mfu']:.1%}"
         + (f"  peak {values['peak_memory_bytes'] / 2**20:.0f} MiB" if values["peak_memory_bytes"] else "")
         # grpo's loss hovers near 0 by construction: its reward is what a person watches
         + (f"  reward {values['reward']:.3f}  length {values['completion_length']:.1f}" if "reward" in values else "")
@@ -168,10 +168,13 @@ class MetricsLogger:
         # A resumed run appends (its earlier steps stay); a fresh one starts the file over.
         mode = "a" if start_step else "w"
         self._file = open(output_dir / "metrics.jsonl", mode) if self.main else None  # noqa: SIM115
+        # Drawn only where it can be: tqdm's `disable=None` leaves it off where stderr is no terminal (a log file, a CI
+        # log), in which its redraws were carriage-return fragments re-printed before every log line; the step lines
+        # say the same. A notebook draws its widget.
         self._bar = tqdm(
             total=total_steps,
             initial=start_step,
-            disable=not (self.main and recipe.logging.progress_bar),
+            disable=None if self.main and recipe.logging.progress_bar else True,
             unit="step",
             dynamic_ncols=True,
             mininterval=1.0,
@@ -185,6 +188,11 @@ class MetricsLogger:
                 },
             )
 
+    @property
+    def drawn(self) -> bool:
+        """Whether the progress bar is on screen (log lines must then go through its writer)."""
+        return not self._bar.disable
+
     def log_step(self, step: int, *, memory_tracked: bool, **values: float) -> None:
         # Throughput for the summary leaves out warm-up (steps 1-2) and CPU steps slowed by memory counting.
         steady = step > 2 and not (memory_tracked and self.acc.device.type == "cpu")
@@ -195,7 +203,9 @@ class MetricsLogger:
         record = {"step": step, **values, "time": time.time()}
         self._write(record)
         self._bar.update(1)
-        self._bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['tokens_per_s']:.0f}", refresh=False)
+        self._bar.set_postfix(
+            loss=f"{values['loss']:.4f}", trained_tok_s=f"{values['tokens_per_s']:.0f}", refresh=False
+        )
         for key in _WINDOW_MEANS:
             if key in values:
                 self._window.setdefault(key, []).append(values[key])

@@ -7,6 +7,11 @@ the signal and hold its devices until SIGKILL. So the signal also wakes a thread
 fd, written by the C-level handler even then), and a process that has not reached a boundary `grace_s` later exits
 with EXIT_PREEMPTED without saving: the last checkpoint stays, and `checkpoint.resume: auto` continues from it.
 
+The grace is 3x the longest whole step seen (`timed`): its batches, a rollout's generation among them, its update,
+evaluation and checkpoint; at least SIGNAL_GRACE_S. Before the first step is timed nothing tells a slow step from a
+stuck one: its compilation, a first generation, may take any time, so it gets `distributed.timeout`, the longest a
+process waits in a collective anyway (`first_grace_s`).
+
 A save in progress (`Preemption.saving`: a checkpoint, or the final model) is never cut by that exit: the first
 checkpoint of a large model may take longer than any step, and cutting it loses it. The watchdog waits for the save
 to end, then gives the loop a fresh grace to reach its boundary. A save stuck in a collective because a peer died
@@ -29,8 +34,8 @@ from llmtune.parallel.engines import sum_on_host
 
 log = logging.getLogger(__name__)
 
-# The least time a step, its evaluation and its checkpoint get after a signal; the loop raises it to 3x the longest
-# it has seen (`Preemption.grace_s`), so a slow step is never cut short.
+# The least time a step, its evaluation and its checkpoint get after a signal once a step was timed; the loop raises it
+# to 3x the longest step it has seen (`Preemption.timed`), so a slow step is never cut short.
 SIGNAL_GRACE_S = 60.0
 
 
@@ -39,10 +44,11 @@ class Preemption:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
-    def __init__(self, grace_s: float | None = None, release: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, first_grace_s: float, release: Callable[[], None] = lambda: None) -> None:
         self.requested = False
         self.release = release  # what must not outlive the process (the run's lock): called before the watchdog's exit
-        self.grace_s = SIGNAL_GRACE_S if grace_s is None else grace_s
+        self.grace_s = max(SIGNAL_GRACE_S, first_grace_s)  # until a step is timed (module docstring)
+        self._longest = 0.0
         self.then = "saving a checkpoint at the end of this step"  # what a signal leads to, logged when one comes
         self._reached = threading.Event()  # the loop reached its boundary after the signal: it saves and stops
         self._saves = 0  # saves in progress (`saving`), guarded by `_changed`
@@ -73,6 +79,12 @@ class Preemption:
         group (`parallel.host_group`; None in one process): a flag sent through the device would wait twice a step
         for all the work queued there."""
         return bool(sum_on_host([int(self.requested)], group)[0])
+
+    def timed(self, seconds: float) -> None:
+        """A whole step took `seconds`, from the wait for its batches to its checkpoint: a signal from now on gives 3x
+        the longest so far."""
+        self._longest = max(self._longest, seconds)
+        self.grace_s = max(SIGNAL_GRACE_S, 3 * self._longest)
 
     def boundary(self) -> None:
         """Every process reached the step boundary after a signal: saving and stopping are the loop's now."""

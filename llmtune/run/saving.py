@@ -3,14 +3,18 @@ together), and out of memory writing `final/`, what is kept. The files themselve
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
-from llmtune.recipe import dump_recipe
+from llmtune.recipe import Recipe, dump_recipe
 from llmtune.run import checkpoint
+from llmtune.run.model_card import model_card
 from llmtune.run.preemption import Preemption
 from llmtune.run.state import Run
+
+log = logging.getLogger(__name__)
 
 
 def save_or_stop(run: Run, step: int, preemption: Preemption, checkpoint_ok: bool) -> bool:
@@ -27,7 +31,19 @@ def save_or_stop(run: Run, step: int, preemption: Preemption, checkpoint_ok: boo
         if not stop and preemption.requested_anywhere(run.host_group):
             preemption.boundary()
             stop = True
+    if stop:
+        log.warning(stopped_line(run.recipe, step))
     return stop
+
+
+def stopped_line(r: Recipe, step: int) -> str:
+    """What a run stopped by a signal says last: where it stopped, and the command that continues it."""
+    line = (
+        f"stopped at step {step} of {r.training.max_steps}, checkpointed in {checkpoint.checkpoints_root(r.output_dir)}"
+    )
+    if r.checkpoint.resume == "auto":
+        return f"{line}: run the same command to continue"
+    return f"{line}: run the same command with checkpoint.resume=auto to continue"
 
 
 def save(run: Run, step: int) -> None:
@@ -55,9 +71,10 @@ def save(run: Run, step: int) -> None:
     run.lineage = [*run.lineage, f"step-{step:06d}"]
 
 
-def save_final(run: Run, step: int) -> Path:
-    """`final/`; out of memory gathering the whole model there, the run stops in one line (exit 1: a requeue would
-    meet the same gather), its last step checkpointed first where no peer waits in the gather (one process)."""
+def save_final(run: Run, step: int, eval_loss: float | None) -> Path:
+    """`final/`, with its model card (`eval_loss`: the last evaluation's, if any); out of memory gathering the whole
+    model there, the run stops in one line (exit 1: a requeue would meet the same gather), its last step checkpointed
+    first where no peer waits in the gather (one process)."""
     r = run.recipe
     adapters = r.peft.method != "none"
     try:
@@ -70,6 +87,7 @@ def save_final(run: Run, step: int) -> Path:
             adapters_only=adapters,
             save_base=r.model.random_init and adapters,
             prompt_layout=run.data.prompt_layout,
+            card=model_card(run, step, eval_loss),
         )
     except torch.OutOfMemoryError:
         kept = checkpoint.complete_checkpoints(r.output_dir)

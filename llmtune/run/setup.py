@@ -165,7 +165,8 @@ def run_of(
 def resumed_plan(recipe: Recipe, accelerator: Accelerator, resume_from: Path | None) -> BatchPlan | None:
     """The plan a resumed run started with (same micro-batch, same checkpointing: the same run), or None where the run
     is planned again: a fresh run, another process count (the global batch is kept, the accumulation derived again), or
-    a recipe that changed the micro-batch, the checkpointing or the memory budget (`checkpoint.REPLANNED_KEYS`)."""
+    a recipe that changed the micro-batch, the checkpointing, the memory budget or the parallel split
+    (`checkpoint.REPLANNED_KEYS`)."""
     if resume_from is None:
         return None
     saved = BatchPlan.from_state(checkpoint.saved_state(resume_from)["plan"])

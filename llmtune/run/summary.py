@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtune.parallel import engines
+from llmtune.run.launch import host_load
 from llmtune.run.metrics import MetricsLogger
 from llmtune.run.resilience import check_budget
 from llmtune.run.schedule import lr_factor
@@ -43,6 +44,17 @@ def log_setup(run: Run, trainable: int, total: int) -> None:
     log.info("llmtune run\n  " + "\n  ".join(lines))
 
 
+def slow_cause(device_type: str, load: float, cores: int) -> str:
+    """The likeliest cause of a run slower than its forecast that the run can see: on a CPU, a host busier than its
+    cores (this run's own threads included), before the plan itself."""
+    if device_type == "cpu" and load > cores + 0.5:
+        return (
+            f"the host is busy (load average {load:.1f} on {cores} cores): other processes take the cores the rates"
+            " were measured on; OMP_NUM_THREADS=1 helps where they spin-wait"
+        )
+    return "the plan may not be the fastest here; `llmtune estimate --recipe` shows what it weighed"
+
+
 def check_speed(run: Run, seconds: float) -> dict[str, Any] | None:
     """The time model's predicted tokens/s against the run's own (steps 3 and 4), logged when 15% or more below."""
     predicted = run.plan.predicted_tokens_per_s
@@ -60,14 +72,19 @@ def check_speed(run: Run, seconds: float) -> dict[str, Any] | None:
     }
     if measured < 0.85 * predicted:
         log.warning(
-            "the time model predicted %.0f tokens/s per process for this plan and the run makes %.0f (%.0f%% below):"
-            " the plan may not be the fastest here; `llmtune estimate --recipe` shows what it weighed",
+            "the time model predicted %.0f tokens/s per process (every position of its rows) for this plan and the"
+            " run makes %.0f (%.0f%% below): %s",
             predicted,
             measured,
             100 * (1 - measured / predicted),
+            slow_cause(run.accelerator.device.type, *host_load()),
         )
     else:
-        log.info("speed: %.0f tokens/s per process, the time model predicted %.0f", measured, predicted)
+        log.info(
+            "speed: %.0f tokens/s per process (every position of its rows), the time model predicted %.0f",
+            measured,
+            predicted,
+        )
     return speed
 
 
