@@ -416,15 +416,16 @@ class Suite:
             notes += expect(run_dir, launch)
         after, expected = self.next_run(name, rec, then)
         got, finished = resumed_from(after.err), None
-        if then.want_code == 0:
+        if then.want_code == 0 and not then.named:
             if got != expected:
                 notes.append(f"resumed {got}, the newest sound checkpoint is {expected}")
             finished = launched_code(after) == 0 and whole_final(run_dir)
             if not finished:
                 notes.append(f"the next run did not finish: {first_error(after.err)}")
         else:
-            notes += refused(after, then.want_code, then.named)
-            got = f"refused (exit {launched_code(after)})"
+            notes += refused(after, then.want_code, then.named, then.prefix)
+            said = "refused" if then.prefix == "error" else then.prefix
+            got = f"{said} (exit {launched_code(after)})"
         if then.check is not None:
             notes += then.check(run_dir, after)
         survived = not any(n.startswith("lost") for n in notes)
@@ -436,8 +437,9 @@ class Suite:
 
 @dataclass
 class Then:
-    """The run after a fault: its launch, its command-line overrides, and what it must do (`want_code` 0: resume the
-    newest sound checkpoint and finish; 2: be refused in one line naming `named`)."""
+    """The run after a fault: its launch, its command-line overrides, and what it must do (`want_code` 0 and nothing
+    `named`: resume the newest sound checkpoint and finish; else answer in one `llmtune: <prefix>:` line naming
+    `named`, exit `want_code`: 2 refused, 0 nothing to do)."""
 
     processes: int = 1
     config: Path | None = None
@@ -445,15 +447,17 @@ class Then:
     want_code: int = 0
     named: list[str] = field(default_factory=list)
     check: Callable[[Path, Launch], list[str]] | None = None
+    prefix: str = "error"
 
 
-def refused(launch: Launch, want_code: int, named: list[str]) -> list[str]:
-    """A refusal: exit `want_code`, one `llmtune: error:` line (the first process's) naming each of `named`."""
+def refused(launch: Launch, want_code: int, named: list[str], prefix: str = "error") -> list[str]:
+    """A one-line answer: exit `want_code`, one `llmtune: <prefix>:` line (the first process's) naming each of
+    `named`."""
     code = launched_code(launch)
-    lines = [line for line in launch.err.splitlines() if line.startswith("llmtune: error:")]
+    lines = [line for line in launch.err.splitlines() if line.startswith(f"llmtune: {prefix}:")]
     notes = [] if code == want_code else [f"exit {code}, expected {want_code}"]
     if not lines:
-        notes.append("no `llmtune: error:` line")
+        notes.append(f"no `llmtune: {prefix}:` line")
     notes += [f"{n} not named" for n in named if not any(n in line for line in lines[:1])]
     if own_traceback(launch.err):
         notes.append("traceback printed")
@@ -476,7 +480,8 @@ def no_final_and_checkpoint(step: str | None) -> Callable[[Path, Launch], list[s
 
 
 # The run after one that finished (final/ whole, no checkpoint to resume): the same command is refused.
-finished_run = Then(want_code=2, named=["finished run"])
+# The same command on a finished run: said, and nothing rewritten (exit 0).
+finished_run = Then(want_code=0, named=["holds a complete run"], prefix="nothing to do")
 
 
 def stopped_at_4_unlocked(run_dir: Path, launch: Launch) -> list[str]:

@@ -54,7 +54,7 @@ def test_sigterm_during_a_slow_first_checkpoint_lets_it_finish_then_stops_with_i
 
 def test_sigterm_during_the_final_save_of_a_run_without_checkpoints_writes_final_whole(suite):
     """Without checkpoints the final save is all a run has; SIGTERM used to cut it (the handler was gone): exit -15,
-    nothing on disk. The run is done: the same command again is refused as a finished run's."""
+    nothing on disk. The run is done: the same command again says so and leaves it (exit 0)."""
     row = suite.train_fault(
         "sigterm",
         "final save",
