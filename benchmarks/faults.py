@@ -1,13 +1,12 @@
 """Fault injection: what a killed, stopped, full or misused run leaves on disk, and whether the next run continues it.
 
 Each fault runs the real entry point (`scripts/finetune.py`'s `llmtune.cli.main.main`; `accelerate launch` with 2
-processes
-where the world size matters) on a tiny Llama built here (nothing from the hub). A phase is reached by wrapping the
-llmtune function that runs it in a small entry script (`ENTRY`), never by timing: the wrapper sends the signal to its
-own process, or lowers RLIMIT_FSIZE so the next large write fails as a full disk does. Just before the fault the
-entry hashes every file of the run folder; afterwards the suite checks that each is still there with the same bytes
-(the lock and `metrics.jsonl`'s appended lines aside), then runs `checkpoint.resume=auto` and checks that it resumed
-the newest sound checkpoint (found here independently: the highest write serial whose manifest agrees with its
+processes where the world size matters) on a tiny Llama built here (nothing from the hub). A phase is reached by
+wrapping the llmtune function that runs it in a small entry script (`ENTRY`), never by timing: the wrapper sends the
+signal to its own process, or lowers RLIMIT_FSIZE so the next large write fails as a full disk does. Just before the
+fault the entry hashes every file of the run folder; afterwards the suite checks that each is still there with the same
+bytes (the lock and `metrics.jsonl`'s appended lines aside), then runs `checkpoint.resume=auto` and checks that it
+resumed the newest sound checkpoint (found here independently: the highest write serial whose manifest agrees with its
 files) and finished. Bad inputs must exit 2 with one `llmtune: error:` line naming the file, row or key, and no
 traceback.
 

@@ -1,6 +1,5 @@
 """Packed rows' attention on a CPU: SDPA once per document (`llmtune.model.attention.per_document_sdpa`) against one
-SDPA
-per micro-batch with the dense block-causal mask [B, 1, L, L] (what transformers builds for sdpa from restarting
+SDPA per micro-batch with the dense block-causal mask [B, 1, L, L] (what transformers builds for sdpa from restarting
 position ids), forward and backward of attention alone, at the quickstart's shape and at a Llama-3.2-1B layer's.
 
     python -m benchmarks.packed_attention [--out benchmarks/results/packed_attention.json]

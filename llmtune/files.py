@@ -18,8 +18,7 @@ def replace_dir(tmp: Path, final: Path) -> None:
     Linux swaps the two in one step (renameat2's RENAME_EXCHANGE): `final` names a whole folder at every instant. The
     fallback moves the older one aside first: a process killed between the two renames leaves no `final` (the old
     one in `.NAME.old`, the new one whole in `tmp`)."""
-    share_as_umask_says(tmp)
-    fsync_tree(tmp)
+    settle_tree(tmp)
     if final.exists() and _exchange(tmp, final):
         shutil.rmtree(tmp, ignore_errors=True)  # now the older folder
         return
@@ -43,15 +42,6 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def share_as_umask_says(path: Path) -> None:
-    """Give every file under `path` the mode a plain `open` would (0666 less the umask): safetensors creates its files
-    0600, so a run shared on a cluster was unreadable by the team while the rest of its folder was not."""
-    mode = 0o666 & ~_umask()
-    for file in path.rglob("*"):
-        if file.is_file() and not file.is_symlink():
-            file.chmod(mode)
-
-
 def _umask() -> int:
     # Read without changing it where Linux says it (os.umask sets it to read it, racing other threads).
     try:
@@ -63,9 +53,16 @@ def _umask() -> int:
         return mask
 
 
-def fsync_tree(path: Path) -> None:
-    # The rename is only a commit point if the data it points to has reached the disk first.
+def settle_tree(path: Path) -> None:
+    """Every file under `path` on disk, with the mode a plain `open` gives (0666 less the umask), in one walk.
+
+    The rename is only a commit point if the data it points to has reached the disk first. The mode: safetensors
+    creates its files 0600, so a run shared on a cluster was unreadable by the team while the rest of its folder was
+    not."""
+    mode = 0o666 & ~_umask()
     for file in path.rglob("*"):
         if file.is_file():
+            if not file.is_symlink():
+                file.chmod(mode)
             with open(file, "rb") as f:
                 os.fsync(f.fileno())

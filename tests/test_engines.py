@@ -156,8 +156,7 @@ def test_fsdp2_in_bf16_keeps_fp32_shards_and_gathers_bf16_blocks_and_root(shardi
     """FSDP2's MixedPrecisionPolicy (torch/distributed/fsdp/_fully_shard): the sharded parameters stay fp32, the
     all-gather's output is in param_dtype bf16, there is no autocast and so no cache of cast weights. The root
     (embeddings, norm, lm head; llmtune.parallel.engines.shard_fsdp2 sets it reshard_after_forward=False) stays
-    gathered from
-    forward to backward; the blocks two at a time, or all of them by backward without resharding."""
+    gathered from forward to backward; the blocks two at a time, or all of them by backward without resharding."""
     cfg = tiny_config("llama", layers=4)
     est = estimate(
         cfg, micro_batch_size=1, seq_len=64, precision="bf16", gradient_checkpointing=True, num_processes=2,

@@ -427,8 +427,12 @@ def test_a_system_prompt_opens_the_conversation_in_generate_and_chat(tmp_path, c
     folder = write_parrot(tmp_path / "parrot", [2, 5])
     prompted: list[list[int]] = []
     real_answer = generate.answer
-    monkeypatch.setattr(generate, "answer", lambda model, tok, ids, *a, **k: prompted.append(ids) or real_answer(
-        model, tok, ids, *a, **k))  # fmt: skip
+
+    def answer(model, tokenizer, ids, *args, **kwargs):  # what the model is prompted with, then the real answer
+        prompted.append(ids)
+        return real_answer(model, tokenizer, ids, *args, **kwargs)
+
+    monkeypatch.setattr(generate, "answer", answer)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     system, user = {"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}
     expected = chat_ids(tokenizer, [system, user], add_generation_prompt=True)

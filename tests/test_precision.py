@@ -238,8 +238,7 @@ def test_bf16_adamw_steps_each_parameter_in_one_kernel_that_bitcasts_in_register
     And on a CPU that kernel keeps its values in vector registers: inductor's C++ backend bitcasts a vector element by
     element through memory (`tmpbuf_out[i] = c10::bit_cast<...>`), and the rounding bitcasts six times per element,
     which made the compiled step 3.2x torch's fused AdamW on a 4M-element tensor; llmtune.ops.inductor_bitcast makes
-    each
-    one `at::vec::cast`.
+    each one `at::vec::cast`.
     Compiled afresh here (no cache), with its kernels named to the profiler."""
     from torch._inductor.utils import fresh_cache, run_and_get_code
 

@@ -3,8 +3,7 @@
 A prompt is a string (its own ids, as `prompt_completion` renders prompts) or chat turns (the chat template with
 the generation prompt, as `llmtune chat` prompts a chat model). No token has a label: what is trained is the
 policy's own completion, sampled during training (llmtune.objectives.rollouts). The row's other columns travel as JSON
-in
-`fields`, under the names the reward functions receive (a source's `fields:` renames them, e.g. {answer:
+in `fields`, under the names the reward functions receive (a source's `fields:` renames them, e.g. {answer:
 solution}), beside `prompt`, the prompt as the row gives it.
 """
 

@@ -1,8 +1,8 @@
 """The causal LM and what changes it, each in its module: `precision` (what this device runs), `load` (tokenizer,
-config,
-model), `blocks` (activation checkpointing, regional compile), `adapters` (PEFT), `attention` (packed documents kept
-apart, by device and shape), `tiling` (MLPs in sequence tiles), `decode` (where a reply ends), `merge` (an adapter
-into its base). The order they apply in is llmtune.run.parallelize's."""
+config, model), `blocks` (activation checkpointing, regional compile), `adapters` (PEFT), `attention` (packed
+documents kept apart, by device and shape), `tiling` (MLPs in sequence tiles), `decode` (where a reply ends), `merge`
+(an adapter into its base), `experts` (a mixture of experts' kernel and its LoRA). The order they apply in is
+llmtune.run.parallelize's."""
 
 from llmtune.model.adapters import apply_peft, count_parameters
 from llmtune.model.blocks import apply_checkpointing, compile_blocks, decoder_blocks

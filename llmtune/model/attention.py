@@ -74,8 +74,7 @@ def planned_device(device_type: str, capability: tuple[int, int] | None = None) 
 
 # The objectives whose collate gives a packed micro-batch its documents (`with_documents`) and whose forwards pass them
 # to the model: SFT's rows and preference pairs (llmtune.objectives.pair_losses). GRPO never packs, and generates from
-# left-padded
-# prompts, which `VARLEN` does not run.
+# left-padded prompts, which `VARLEN` does not run.
 DOCUMENTED_OBJECTIVES = ("sft", "dpo", "orpo", "simpo")
 
 

@@ -89,10 +89,6 @@ def tile_mlp(model: torch.nn.Module) -> int:
     return len(mlps)
 
 
-def is_tiled(mlp: torch.nn.Module) -> bool:
-    return isinstance(mlp.forward, TiledForward)
-
-
 def _check_one_input(mlp: torch.nn.Module) -> None:
     """Tiles split one tensor: an MLP whose forward needs more (a mask, routing state) cannot be tiled blindly."""
     required = [

@@ -296,8 +296,7 @@ def reduce_losses(loss: Tensor, row: Tensor, rows: int, kind: str) -> Tensor:
     sums = torch.zeros(rows, dtype=loss.dtype, device=loss.device).index_add(0, row, loss)
     counts = torch.zeros(rows, dtype=loss.dtype, device=loss.device).index_add(0, row, torch.ones_like(loss))
     # Split along the sequence (llmtune.parallel.sequence), a completion's tokens are spread over the group's
-    # processes: each
-    # divides its part of the sum by the whole count, and the gradient reduction sums the parts.
+    # processes: each divides its part of the sum by the whole count, and the gradient reduction sums the parts.
     return (sums / sequence.sum_over_group(counts).clamp(min=1)).sum()
 
 

@@ -53,8 +53,7 @@ class SequenceGroup:
 
 
 # The group the attention and the losses run in. A plain global, as `llmtune.model.attention._planned_device`: a
-# compiled
-# block reads it, and Dynamo guards on a global's value.
+# compiled block reads it, and Dynamo guards on a global's value.
 _current = SequenceGroup()
 
 

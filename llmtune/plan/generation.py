@@ -34,9 +34,8 @@ Over-stated on purpose: under autocast the cast cache is taken whole from the st
 the last layer's down projection and the head are cast); every prompt is taken at data.max_length tokens.
 Not modelled: sliding-window layers (their cache stops growing at the window; over-stated here), mixture-of-experts
 MLPs (taken as a dense MLP of `intermediate_size`), the attention kernels' workspaces (flash / memory-efficient:
-small), the CUDA
-allocator's fragmentation by the growing cache beyond the training step's overhead (added as it is), and
-num_iterations > 1's forward of the completions for their old log-probs (a no-grad forward of a micro-batch: less
+small), the CUDA allocator's fragmentation by the growing cache beyond the training step's overhead (added as it is),
+and num_iterations > 1's forward of the completions for their old log-probs (a no-grad forward of a micro-batch: less
 than the training step).
 """
 

@@ -233,9 +233,8 @@ class _SdpaMemory(torch.autograd.Function):
     through its meta kernel (torch/_meta_registrations.py: the output, an fp32 log-sum-exp (B, H, T), padded to a
     multiple of 32 for memory-efficient, the RNG state), so that selective checkpointing's policy sees the op it
     saves (llmtune.model.blocks._KEPT_OPS) and the time model counts its FLOPs. It keeps what derivatives.yaml saves
-    for the
-    op's backward: q, k, v, the output, the log-sum-exp and RNG state, and memory-efficient's bias (the additive mask
-    `CudaKernels._sdpa` made, as `scaled_dot_product_attention` makes it).
+    for the op's backward: q, k, v, the output, the log-sum-exp and RNG state, and memory-efficient's bias (the additive
+    mask `CudaKernels._sdpa` made, as `scaled_dot_product_attention` makes it).
 
     Backward runs the op's backward (dq, dk, dv as q, k, v) and allocates its workspaces on top:
     - flash (cuda/flash_attn/flash_api.cpp, `mha_bwd`): `softmax_d`, fp32 (B, H, T rounded to 128); `dq_accum`, fp32
@@ -296,10 +295,9 @@ except (ImportError, AttributeError):
 
 class _VarlenMemory(torch.autograd.Function):
     """Flash's varlen attention (torch's `torch.nn.attention.varlen.varlen_attn`, run by `llmtune.model.attention` on
-    packed
-    rows) as far as memory goes: forward and backward are torch's own ops (their fake kernels: the output, an fp32
-    log-sum-exp [H, total], what `_setup_context` saves), and backward allocates `mha_varlen_bwd`'s workspaces on top
-    (cuda/flash_attn/flash_api.cpp: `softmax_d` fp32 [H, total + 128 x documents] and `dq_accum` fp32
+    packed rows) as far as memory goes: forward and backward are torch's own ops (their fake kernels: the output, an
+    fp32 log-sum-exp [H, total], what `_setup_context` saves), and backward allocates `mha_varlen_bwd`'s workspaces on
+    top (cuda/flash_attn/flash_api.cpp: `softmax_d` fp32 [H, total + 128 x documents] and `dq_accum` fp32
     [total + 128 x documents, H, head dim rounded to 32, or 64 over 128]); with GQA, `dk_expanded` / `dv_expanded` at
     the query's heads. No [B, 1, L, L] mask: there is none."""
 

@@ -313,8 +313,7 @@ def _lost(w: _Weighed, chosen: bool, budget_bytes: int) -> str:
 # auto on a GPU splits a row no finer than this many tokens a process: a part's matmuls (as many rows as its tokens at
 # micro-batch 1) would leave the tensor cores underfed, which the time model, charging FLOPs at one rate, does not see;
 # the loss's chunks stop at the same size for the same reason (llmtune.ops.loss.GPU_MIN_CHUNK_ROWS). A fixed degree
-# splits
-# as asked.
+# splits as asked.
 GPU_MIN_SHARD_TOKENS = 1024
 # The processes a node holds where nothing says (`llmtune estimate`; a launched run reads LOCAL_WORLD_SIZE): the
 # common GPU server's 8 GPUs, or all the processes where there are fewer.
@@ -461,8 +460,7 @@ class _Search:
         search's): forward and backward work scales with the tokens, except the op count, at the FLOP rate of the
         process's `m` x `seq_len` / degree rows; the optimizer's is once per step; the engine's collectives overlap
         the micro-steps they run in (`llmtune.plan.communication.step_seconds`); sequence parallelism's all-to-alls add
-        to
-        each micro-step (`alltoall_bytes`). Every k-th layer recomputed: none's work plus the recomputed layers'
+        to each micro-step (`alltoall_bytes`). Every k-th layer recomputed: none's work plus the recomputed layers'
         share of the difference to every layer."""
         uniform = self.uniform if uniform is None else uniform
         if 1 < mode.every_n_layers:
@@ -593,8 +591,7 @@ def _more_processes(search: _Search, least: Checkpointing, budget_bytes: int) ->
 def alltoall_bytes(config: Any, tokens: int, degree: int, precision: str, checkpointing: Checkpointing) -> int:
     """Bytes one process of a sequence group of `degree` sends to the others in a micro-step of `tokens` tokens (the
     group's, padded rows): every layer's forward all-to-alls (`llmtune.parallel.sequence.alltoall_bytes_per_layer`), as
-    many
-    again in backward, and once more in each layer `checkpointing` recomputes.
+    many again in backward, and once more in each layer `checkpointing` recomputes.
 
     In the dtype attention computes in: fp32 in fp32, else 16-bit (under autocast q and k leave rotary in fp32, and
     `llmtune.model.attention.autocast_inputs` casts them down before the all-to-all, as SDPA would after it)."""

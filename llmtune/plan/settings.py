@@ -57,8 +57,8 @@ class Settings:
     reference: str = "none"
     compute_capability: tuple[int, int] | None = None  # the CUDA card's (None: sm80/sm90): its attention kernels
     # Processes each row is split across along the sequence (llmtune.parallel.sequence): the step is one process's, on
-    # its
-    # shard of `seq_len` / sequence_parallel tokens a row, attention all-to-all'd to the whole rows at its heads' share.
+    # its shard of `seq_len` / sequence_parallel tokens a row, attention all-to-all'd to the whole rows at its heads'
+    # share.
     sequence_parallel: int = 1
     tiled_mlp: bool = False  # each decoder MLP computed in sequence tiles (llmtune.model.tiling)
     # A mixture of experts' kernel (llmtune.model.experts): transformers' default, as a run decides it for the device
@@ -87,8 +87,7 @@ def settings_of(
     `chunk_size`: the chunked loss's rows per chunk, by default `llmtune.ops.loss.default_chunk_size` of the vocabulary.
     `objective` dpo / orpo / simpo traces `llmtune.objectives.pair_losses.PreferenceModel` on pairs (`micro_batch_size`
     examples, each a pair), grpo `llmtune.objectives.rollouts.GRPOModel` on `micro_batch_size` completions (prompt +
-    completion
-    rows, padded), each with its `reference` forward (adapter_disabled, a frozen copy) or none.
+    completion rows, padded), each with its `reference` forward (adapter_disabled, a frozen copy) or none.
     `sequence_parallel` N: one process of a group of N that splits every row along the sequence (rows padded to a
     multiple of N, as training pads them); refused where the model cannot be split so
     (`llmtune.parallel.sequence.refusal`).

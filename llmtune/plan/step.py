@@ -26,8 +26,7 @@ def micro_batch(objective: Objective, s: Settings) -> dict[str, torch.Tensor]:
     """A micro-batch as the objective's `collate` makes it from `micro_batch_size` of its longest examples (`seq_len`
     tokens: the largest micro-batch of the run); under sequence parallelism, one process's shard of it, as training
     pads its rows to a multiple of the degree and shards them (`llmtune.parallel.sequence.shard_batch`: all shards are
-    the
-    same size). Real tensors, made outside the trace: a collate reads its examples' values (where sequences start),
+    the same size). Real tensors, made outside the trace: a collate reads its examples' values (where sequences start),
     which fake tensors do not have."""
     from llmtune.parallel.sequence import SequenceGroup, rows_padded_to, shard_batch
 

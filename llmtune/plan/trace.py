@@ -202,8 +202,7 @@ def _register_states(
 def _fake_input(fake: FakeTensorMode, key: str, value: Any) -> Any:
     """A micro-batch's value as the traced step takes it: tensors fake; a packed batch's document offsets fake with
     their values (a CPU's per-document attention reads them on the host, `llmtune.model.attention`); its lengths (ints)
-    as
-    they are."""
+    as they are."""
     if not isinstance(value, torch.Tensor):
         return value
     if key.startswith("cu_seq_lens"):
